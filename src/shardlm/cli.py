@@ -1,0 +1,92 @@
+"""The `shardlm` command line: parse, call the library, print with rich."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from shardlm.runtime.engine import RankFailure
+from shardlm.runtime.sampling import SamplingParams
+from shardlm.runtime.session import GenerateOptions, UserError, run_generate
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run language models sharded across processes and devices.")
+err = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@app.callback()
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details.")) -> None:
+    """shardlm: plan, shard and run language models across devices."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+
+
+@app.command()
+def generate(
+    prompts: list[str] = typer.Argument(..., help="One or more prompts; several form one batch."),
+    model: Optional[str] = typer.Option(None, help="Local Hugging Face Llama-family folder (default: bundled SmolLM2-135M-Instruct)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: any value from 1 to the number of attention heads."),
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling threshold in (0, 1]."),
+    top_k: int = typer.Option(0, help="Keep the k most likely tokens; 0 keeps all."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user turn with the chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate text on TP ranks spawned on this machine; streams the completion to stdout."""
+    opts = GenerateOptions(prompts=prompts, model=model, tp=tp, max_new_tokens=max_new_tokens,
+                           sampling=SamplingParams(temperature, top_p, top_k, seed), dtype=dtype, chat=chat)
+    stream = not as_json and len(prompts) == 1
+    decoder, status = None, err.status(f"starting {tp} rank{'s' if tp > 1 else ''}...")
+    try:
+        if stream:
+            from shardlm.runtime.text import StreamDecoder, load_tokenizer
+            from shardlm.runtime.session import resolve
+
+            decoder = StreamDecoder(load_tokenizer(resolve(opts)[0]))
+        status.start()
+
+        def on_token(tokens: list[int]) -> None:
+            status.stop()
+            if decoder is not None and tokens[0] >= 0:
+                sys.stdout.write(decoder.push(tokens[0]))
+                sys.stdout.flush()
+
+        result, summary = run_generate(opts, on_token=on_token)
+    except UserError as e:
+        status.stop()
+        _fail(str(e))
+    except RankFailure as e:
+        status.stop()
+        _fail(str(e), code=1)
+    except KeyboardInterrupt:
+        status.stop()
+        _fail("interrupted; every rank was stopped", code=130)
+    if as_json:
+        print(json.dumps(summary))
+        return
+    if stream:
+        print()
+    else:
+        for i, text in enumerate(summary["text"]):
+            print(f"--- [{i}] {prompts[i]}\n{text}")
+    t = summary["timings"]
+    decode = f"{t['decode_tokens_per_s']:.1f}" if t["decode_tokens_per_s"] else "-"
+    err.print(f"[dim]tp={tp} load {t['load_s']:.1f} s, prefill {t['prefill_tokens_per_s']:.0f} tok/s, "
+              f"decode {decode} tok/s, peak RSS per rank "
+              + ", ".join(f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" for r in summary["ranks"]) + "[/]")
+
+
+if __name__ == "__main__":
+    app()

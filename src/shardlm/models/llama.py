@@ -1,0 +1,238 @@
+"""Single-device Llama-family model: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2, SmolLM2.
+
+Module and parameter names follow the Hugging Face checkpoints, so loading is a name lookup.
+Parallelism is applied from outside (`shardlm.parallel.tensor`): layers infer their local head
+counts from tensor sizes, and `Attention.kv_map` says which local KV head serves each local
+query head (a plain GQA grouping on one device, an irregular one under uneven TP splits).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.models.args import ModelArgs, ModelConfigError
+from shardlm.runtime.kvcache import KVCache
+
+
+def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:
+    """Build ModelArgs from a Hugging Face Llama/Mistral/Qwen2 config dict."""
+    try:
+        n_heads = int(cfg["num_attention_heads"])
+        dim = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        model_type = cfg.get("model_type", "llama")
+        qkv_bias = bool(cfg.get("attention_bias", False)) or model_type == "qwen2"
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        return ModelArgs(
+            family="llama",
+            architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
+            dim=dim,
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or dim // n_heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(cfg),
+            max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=int(window) if window else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except KeyError as e:
+        raise ModelConfigError(f"config.json lacks the field {e.args[0]!r} that a Llama-family model needs") from e
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Normalize rope scaling (HF `rope_scaling` or newer `rope_parameters`) to a dict or None."""
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("llama3", "linear"):
+        raise ModelConfigError(f"rope scaling type {kind!r} is not supported; supported: llama3, linear, none")
+    return {**rs, "rope_type": kind}
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse rotary frequencies (head_dim/2,), with llama3 or linear scaling applied."""
+    hd = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = args.rope_scaling
+    if rs is None:
+        return inv
+    if rs["rope_type"] == "linear":
+        return inv / float(rs["factor"])
+    # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between.
+    factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    old_len = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for integer positions (b, s) -> each (b, 1, s, head_dim)."""
+    freqs = positions.float()[..., None] * inv_freq[None, None, :]  # (b, s, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (b, s, hd)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (b, h, s, hd) by the half-split convention Hugging Face Llama checkpoints use."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference implementation."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize the last dimension and scale by the learned weight."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings and an optional KV cache."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        hd = args.head_dim
+        self.layer_id = layer_id
+        self.head_dim = hd
+        self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=args.attention_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.attention_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.attention_bias)
+        self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=args.o_bias)
+        # kv_map[i] = local KV head used by local query head i; regular groups on one device.
+        kv_map = torch.arange(args.n_heads) // args.q_per_kv
+        self.register_buffer("kv_map", kv_map, persistent=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None) -> torch.Tensor:
+        """x (b, s, dim) -> (b, s, dim); mask (b, 1, s, t) is True where a key may be attended."""
+        b, s, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x).view(b, s, -1, hd).transpose(1, 2)  # (b, hq, s, hd)
+        k = self.k_proj(x).view(b, s, -1, hd).transpose(1, 2)  # (b, hkv, s, hd)
+        v = self.v_proj(x).view(b, s, -1, hd).transpose(1, 2)  # (b, hkv, s, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_id, k, v)  # (b, hkv, t, hd)
+        out = grouped_attention(q, k, v, self.kv_map, mask)  # (b, hq, s, hd)
+        out = out.transpose(1, 2).reshape(b, s, -1)  # (b, s, hq*hd)
+        return self.o_proj(out)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention where query head i reads KV head kv_map[i].
+
+    Regular groups (each KV head serves the same number of consecutive query heads) use SDPA's
+    GQA path without copying K/V; irregular groups (uneven TP splits) gather K/V per query head.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv == 0 and torch.equal(kv_map, torch.arange(hq, device=kv_map.device) // (hq // hkv)):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+    k = k.index_select(1, kv_map)  # (b, hq, t, hd)
+    v = v.index_select(1, kv_map)  # (b, hq, t, hd)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class MLP(nn.Module):
+    """Gated SiLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (b, s, dim) -> (b, s, dim)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_id)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache):
+        """One block; shapes as in `Attention.forward`."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm (the `model.` prefix of HF checkpoints)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder with its LM head; `forward` returns logits for the requested positions."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """tokens, positions (b, s); mask (b, 1, s, t) bool -> logits (b, s or 1, vocab) float32."""
+        x = self.model.embed_tokens(tokens)  # (b, s, dim)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, cache)
+        if last_only:
+            x = x[:, -1:]  # (b, 1, dim)
+        x = self.model.norm(x)
+        return self.lm_head(x).float()
+
+    def tied_weight_names(self) -> dict[str, str]:
+        """Parameters that alias another and are not loaded on their own (target -> source)."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_embeddings else {}
+
+    def reset_buffers(self, device: str | torch.device = "cpu") -> None:
+        """Recompute the non-persistent buffers (rotary frequencies, GQA map) after a meta build."""
+        self.inv_freq = rope_inv_freq(self.args).to(device)
+        for layer in self.model.layers:
+            layer.self_attn.kv_map = (torch.arange(self.args.n_heads) // self.args.q_per_kv).to(device)

@@ -1,0 +1,88 @@
+"""ParallelContext: a rank's tensor-parallel group and its counted collectives.
+
+Every collective the model issues goes through here, so bytes and seconds per op are recorded
+for the monitor. Ranks on one host can use the shared-memory transport (`shm.ShmCollectives`);
+otherwise the torch.distributed group (gloo on CPU, NCCL on CUDA) does the work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class OpStats:
+    """Running totals for one collective kind."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class ParallelContext:
+    """One rank's view of its tensor-parallel group. World size 1 makes every collective a no-op."""
+
+    rank: int = 0
+    world: int = 1
+    group: Any = None
+    """torch.distributed process group of the TP ranks (None: the default group)."""
+    shm: Any = None
+    """Optional shared-memory transport with `all_reduce_` and `all_gather` for same-host ranks."""
+    stats: dict[str, OpStats] = field(default_factory=dict)
+
+    def _count(self, op: str, nbytes: int, t0: float) -> None:
+        s = self.stats.setdefault(op, OpStats())
+        s.calls += 1
+        s.bytes += nbytes
+        s.seconds += time.perf_counter() - t0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the group in place and return it (bitwise identical on every rank)."""
+        if self.world == 1:
+            return t
+        t0 = time.perf_counter()
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self.shm is not None and nbytes <= self.shm.max_bytes:
+            self.shm.all_reduce_(t)
+        else:
+            dist.all_reduce(t, group=self.group)
+        self._count("all_reduce", nbytes, t0)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """Concatenate every rank's `t` along `dim`; rank r contributes `sizes[r]` entries there."""
+        if self.world == 1:
+            return t
+        t0 = time.perf_counter()
+        t = t.contiguous()
+        part_bytes = t.numel() // max(t.shape[dim], 1) * max(sizes) * t.element_size()  # same on every rank
+        if self.shm is not None and part_bytes <= self.shm.max_bytes:
+            out = self.shm.all_gather(t, dim)
+        else:
+            out = _padded_all_gather(t, dim, sizes, self.group)
+        self._count("all_gather", out.numel() * out.element_size(), t0)
+        return out
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Plain-dict copy of the counters."""
+        return {op: {"calls": s.calls, "bytes": s.bytes, "seconds": s.seconds} for op, s in self.stats.items()}
+
+
+def _padded_all_gather(t: torch.Tensor, dim: int, sizes: list[int], group: Any) -> torch.Tensor:
+    """all_gather for uneven sizes: pad each part to the largest along `dim`, gather, trim, join."""
+    dim = dim % t.dim()
+    biggest = max(sizes)
+    if t.shape[dim] < biggest:
+        pad_shape = list(t.shape)
+        pad_shape[dim] = biggest - t.shape[dim]
+        t = torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+    parts = [torch.empty_like(t) for _ in sizes]
+    dist.all_gather(parts, t, group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)

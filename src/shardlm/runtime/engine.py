@@ -1,0 +1,165 @@
+"""LocalEngine: spawn one process per rank on this machine, feed them requests, collect tokens.
+
+The driver owns the rank processes: it stops all of them when one fails, when the user presses
+Ctrl-C, or when it exits; ranks also die with the driver (PR_SET_PDEATHSIG), so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shardlm.models.args import ModelArgs
+from shardlm.runtime.sampling import SamplingParams
+from shardlm.runtime.worker import Request, WorkerConfig, rank_main
+
+log = logging.getLogger(__name__)
+
+SHM_SLOT_BYTES = 8 * 2**20
+"""Largest collective sent through shared memory (decode steps and modest prefills); larger go via gloo."""
+
+
+class RankFailure(RuntimeError):
+    """A rank process failed or died; the message names the rank and carries its traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class GenerateResult:
+    """What one generate call produced, plus per-rank stats."""
+
+    token_ids: list[list[int]]
+    ranks: list[dict]
+    prefill_s: float
+    decode_s: float
+    prompt_tokens: int
+    decode_tokens: int
+
+
+@dataclass
+class LocalEngine:
+    """Ranks 0..tp-1 as local processes over gloo (and shared memory for the collectives)."""
+
+    model_dir: str
+    family: str
+    args: ModelArgs
+    tp: int = 1
+    dtype: str = "float32"
+    threads: int | None = None
+    """Torch threads per rank; default: this machine's cores divided among the ranks."""
+    shm: bool = True
+    """Use the shared-memory transport for collectives between local ranks."""
+    timeout_s: float = 300.0
+    """Longest wait for any rank; a silent rank past it is reported as hung."""
+    load_s: float = 0.0
+    ready: list[dict] = field(default_factory=list)
+
+    def start(self) -> "LocalEngine":
+        """Spawn the ranks and wait until every one has loaded its part of the model."""
+        t0 = time.perf_counter()
+        ctx = mp.get_context("spawn")
+        self._requests, self._results = ctx.Queue(), ctx.Queue()
+        threads = self.threads or max(1, (os.cpu_count() or 1) // self.tp)
+        port = free_port()
+        shm_bytes = SHM_SLOT_BYTES if self.shm and self.tp > 1 else 0
+        self._procs = []
+        for rank in range(self.tp):
+            cfg = WorkerConfig(rank, self.tp, port, str(self.model_dir), self.family, self.args.to_dict(),
+                               self.dtype, threads, shm_bytes, self.timeout_s)
+            p = ctx.Process(target=rank_main, args=(cfg, self._requests, self._results), daemon=True,
+                            name=f"shardlm-rank{rank}")
+            p.start()
+            self._procs.append(p)
+        ready = {}
+        while len(ready) < self.tp:
+            kind, rank, payload = self._next()
+            if kind == "ready":
+                ready[rank] = payload
+        self.ready = [ready[r] for r in range(self.tp)]
+        self.load_s = time.perf_counter() - t0
+        return self
+
+    def _next(self) -> tuple:
+        """Next message from any rank; raises RankFailure if a rank failed, died or went silent."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            try:
+                msg = self._results.get(timeout=0.2)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if msg[0] == "error":
+                _, rank, summary, tb = msg
+                self.stop(force=True)
+                raise RankFailure(f"rank {rank} failed: {summary}\n--- rank {rank} traceback ---\n{tb}")
+            return msg
+        self.stop(force=True)
+        raise RankFailure(f"no rank reported for {self.timeout_s:.0f} s; stopped all ranks (raise timeout_s if "
+                          "the model is that slow)")
+
+    def _check_alive(self) -> None:
+        for rank, p in enumerate(self._procs):
+            if p.exitcode is not None:
+                time.sleep(0.5)  # give a failing rank's own error message time to arrive first
+                try:
+                    msg = self._results.get_nowait()
+                    if msg[0] == "error":
+                        self.stop(force=True)
+                        raise RankFailure(f"rank {msg[1]} failed: {msg[2]}\n--- rank {msg[1]} traceback ---\n{msg[3]}")
+                except queue.Empty:
+                    pass
+                self.stop(force=True)
+                how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+                raise RankFailure(f"rank {rank} (pid {p.pid}) died with {how}; stopped every rank")
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
+                 pad_id: int = 0, on_token: Callable[[list[int]], None] | None = None) -> GenerateResult:
+        """Run one batch to completion; `on_token` gets each step's tokens (-1 for finished rows)."""
+        self._requests.put(Request(prompts, max_new_tokens, sampling, pad_id))
+        reports: dict[int, dict] = {}
+        while len(reports) < self.tp:
+            kind, rank, payload = self._next()
+            if kind == "token" and on_token is not None:
+                on_token(payload)
+            elif kind == "done":
+                reports[rank] = payload
+        ranks = [reports[r] for r in range(self.tp)]
+        for r in ranks[1:]:
+            if r["tokens"] != ranks[0]["tokens"]:
+                raise RankFailure("ranks produced different tokens (their logits disagree); this is a bug, please report it")
+        r0 = ranks[0]
+        return GenerateResult(r0["tokens"], ranks, r0["prefill_s"], r0["decode_s"], r0["prompt_tokens"], r0["decode_tokens"])
+
+    def stop(self, force: bool = False) -> None:
+        """Stop every rank: politely (a stop request) unless `force`, then terminate, then kill."""
+        procs = getattr(self, "_procs", [])
+        if not force and all(p.is_alive() for p in procs):
+            self._requests.put(None)
+            for p in procs:
+                p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=3)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=3)
+
+    def __enter__(self) -> "LocalEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(force=exc[0] is not None)

@@ -1,0 +1,40 @@
+"""Pre-allocated key/value cache, one (b, kv_heads, max_len, head_dim) pair per layer."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of past tokens for every layer this rank runs.
+
+    Slots are shared by the whole batch: prompts are left-padded to one length, so slot `p` of
+    every sequence is written in the same step. `offset` is the number of slots already filled;
+    the step advances it once after all layers have run (`advance`).
+    """
+
+    def __init__(self, layer_ids: list[int], batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
+        self.max_len = max_len
+        self.offset = 0
+
+    def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (b, h, s, hd) at slots [offset, offset+s); return all filled slots (b, h, t, hd)."""
+        s = k.shape[2]
+        end = self.offset + s
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; this step needs {end}. Raise max_len.")
+        self.k[layer_id][:, :, self.offset:end] = k
+        self.v[layer_id][:, :, self.offset:end] = v
+        return self.k[layer_id][:, :, :end], self.v[layer_id][:, :, :end]
+
+    def advance(self, s: int) -> None:
+        """Mark s more slots as filled (called once per forward, after the last layer)."""
+        self.offset += s
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache tensors."""
+        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())

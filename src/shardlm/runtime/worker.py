@@ -1,0 +1,132 @@
+"""The rank process: join the group, build this rank's model, serve generate requests until told to stop.
+
+Rank 0 takes requests from the driver's queue and broadcasts them to the other ranks; every rank
+runs the same steps (collectives inside the model keep them in lock-step) and samples the same
+token from identical logits with the same seed. Rank 0 streams tokens back; every rank reports
+its stats, so the driver can check that all ranks produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardlm.models.args import ModelArgs
+from shardlm.models.registry import FAMILIES
+from shardlm.parallel.context import ParallelContext
+from shardlm.runtime.load import build_rank_model, shard_coord
+from shardlm.runtime.sampling import SamplingParams
+from shardlm.runtime.step import Batch, GenerationStats, generate
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a rank needs to start (picklable)."""
+
+    rank: int
+    world: int
+    port: int
+    model_dir: str
+    family: str
+    args: dict
+    dtype: str
+    threads: int
+    shm_bytes: int
+    """Slot size of the shared-memory transport for same-host collectives; 0 uses gloo only."""
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generate call: a batch of tokenized prompts."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    sampling: SamplingParams
+    pad_id: int = 0
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the driver dies, so no rank is ever orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rank_main(cfg: WorkerConfig, requests, results) -> None:
+    """Entry point of a rank process; reports errors with their traceback instead of raising."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and stops every rank
+    try:
+        _serve(cfg, requests, results)
+    except BaseException as e:  # noqa: BLE001 - report every failure to the driver, then exit non-zero
+        results.put(("error", cfg.rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        results.close()
+        results.join_thread()  # flush the message before exiting
+        os._exit(1)
+
+
+def _setup(cfg: WorkerConfig):
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=cfg.rank,
+                            world_size=cfg.world, timeout=timedelta(seconds=cfg.timeout_s))
+    shm = None
+    if cfg.shm_bytes > 0 and cfg.world > 1:
+        from shardlm.parallel.shm import ShmCollectives
+
+        shm = ShmCollectives.from_group(dist.group.WORLD, cfg.shm_bytes, timeout_s=cfg.timeout_s)
+    return ParallelContext(rank=cfg.rank, world=cfg.world, shm=shm)
+
+
+def _serve(cfg: WorkerConfig, requests, results) -> None:
+    t0 = time.perf_counter()
+    ctx = _setup(cfg)
+    family = FAMILIES[cfg.family]
+    args = ModelArgs.from_dict(cfg.args)
+    coord = shard_coord(args, cfg.rank, cfg.world)
+    model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype))
+    kv_heads = coord.heads.kv_range(cfg.rank)[1] - coord.heads.kv_range(cfg.rank)[0]
+    dist.barrier()
+    results.put(("ready", cfg.rank, {"load_s": time.perf_counter() - t0, "rss_bytes": peak_rss_bytes()}))
+    try:
+        while True:
+            box = [requests.get() if cfg.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            req: Request | None = box[0]
+            if req is None:
+                return
+            _run(model, req, kv_heads, ctx, cfg.rank, results)
+    finally:
+        if ctx.shm is not None:
+            ctx.shm.close()
+        dist.destroy_process_group()
+
+
+def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, results) -> None:
+    stats = GenerationStats()
+    on_token = (lambda tok: results.put(("token", 0, tok.tolist()))) if rank == 0 else None
+    args = model.args
+    out = generate(model, Batch.from_lists(req.prompts, req.pad_id), req.max_new_tokens, req.sampling,
+                   args.eos_token_ids, kv_heads, on_token=on_token, stats=stats)
+    report: dict[str, Any] = {
+        "tokens": out, "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
+        "prompt_tokens": stats.prompt_tokens, "decode_tokens": stats.decode_tokens,
+        "peak_rss_bytes": peak_rss_bytes(), "comms": ctx.snapshot(),
+    }
+    results.put(("done", rank, report))
