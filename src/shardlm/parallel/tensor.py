@@ -28,6 +28,11 @@ class ShardCoord:
     heads: HeadSplit
     head_dim: int
 
+    def local_kv_heads(self) -> int:
+        """KV heads this rank holds (its KV-cache width in heads)."""
+        a, b = self.heads.kv_range(self.rank)
+        return b - a
+
 
 Slices = tuple[slice, ...]
 

@@ -10,12 +10,12 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from shardlm.models.args import ModelArgs
+from shardlm.parallel.launch import free_port
 from shardlm.runtime.sampling import SamplingParams
 from shardlm.runtime.worker import Request, WorkerConfig, rank_main
 
@@ -27,13 +27,6 @@ SHM_SLOT_BYTES = 8 * 2**20
 
 class RankFailure(RuntimeError):
     """A rank process failed or died; the message names the rank and carries its traceback."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

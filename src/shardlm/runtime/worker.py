@@ -101,7 +101,7 @@ def _serve(cfg: WorkerConfig, requests, results) -> None:
     args = ModelArgs.from_dict(cfg.args)
     coord = shard_coord(args, cfg.rank, cfg.world)
     model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype))
-    kv_heads = coord.heads.kv_range(cfg.rank)[1] - coord.heads.kv_range(cfg.rank)[0]
+    kv_heads = coord.local_kv_heads()
     dist.barrier()
     results.put(("ready", cfg.rank, {"load_s": time.perf_counter() - t0, "rss_bytes": peak_rss_bytes()}))
     try:

@@ -1,0 +1,97 @@
+"""Run a function on N local gloo ranks and collect each rank's result or traceback.
+
+Used by the distributed tests and the benchmarks: every wait has a timeout, a failing rank's
+traceback is reported together with which rank it was, and no process outlives the call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class RanksFailed(RuntimeError):
+    """One or more ranks raised, died or timed out; the message holds every rank's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, threads: int, args: tuple, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+        out = fn(rank, world, *args)
+        # plain pickle copies tensor data; the queue's own pickler would pass shared-memory handles
+        # that vanish when this process exits
+        results.put((rank, "ok", pickle.dumps(out)))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent reports it with the rank number
+        results.put((rank, "error", traceback.format_exc()))
+    results.close()
+    results.join_thread()
+
+
+def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 300.0,
+                 threads: int | None = None) -> list[Any]:
+    """Call `fn(rank, world, *args)` in `world` spawned processes joined in a gloo group.
+
+    `fn` must be importable (module level). Returns the results in rank order; raises RanksFailed
+    with every failing rank's traceback, or naming the ranks that did not answer in `timeout_s`.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, threads, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) + len(errors) < world and time.monotonic() < deadline:
+            try:
+                rank, status, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got | errors.keys()]
+                if dead and not errors:
+                    time.sleep(1.0)  # let a failing rank's traceback arrive before the others' timeouts
+                    if results.empty():
+                        errors.update({r: f"died with exit code {procs[r].exitcode}" for r in dead})
+                continue
+            if status == "ok":
+                got[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+            if errors:
+                deadline = min(deadline, time.monotonic() + 5)  # peers of a failed rank will hang or fail
+    finally:
+        for p in procs:
+            p.join(timeout=2 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    missing = [r for r in range(world) if r not in got and r not in errors]
+    if errors or missing:
+        parts = [f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)]
+        if missing:
+            parts.append(f"ranks {missing} did not answer within {timeout_s:.0f} s")
+        raise RanksFailed("\n".join(parts))
+    return [got[r] for r in range(world)]

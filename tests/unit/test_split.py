@@ -1,0 +1,52 @@
+"""The slicing rules: every degree from 1 to the head count, nearly even, nothing lost."""
+
+import pytest
+from hypothesis import given, strategies as st
+
+from shardlm.parallel.split import HeadSplit, split_range, split_sizes
+
+
+@given(n=st.integers(1, 5000), parts=st.integers(1, 64))
+def test_split_sizes_cover_and_differ_by_at_most_one(n, parts):
+    if parts > n:
+        with pytest.raises(ValueError, match="cannot split"):
+            split_sizes(n, parts)
+        return
+    sizes = split_sizes(n, parts)
+    assert sum(sizes) == n and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    ranges = [split_range(n, parts, i) for i in range(parts)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@given(kv=st.integers(1, 16), group=st.integers(1, 8), data=st.data())
+def test_every_query_head_finds_its_kv_head(kv, group, data):
+    heads = kv * group
+    tp = data.draw(st.integers(1, heads))
+    split = HeadSplit(heads, kv, tp)
+    seen_q = []
+    for r in range(tp):
+        qa, qb = split.q_range(r)
+        ka, kb = split.kv_range(r)
+        kv_map = split.kv_map(r).tolist()
+        assert len(kv_map) == qb - qa and kb - ka >= 1
+        for local, h in enumerate(range(qa, qb)):
+            assert ka + kv_map[local] == h // group  # the local KV head is the right global one
+        seen_q.extend(range(qa, qb))
+    assert seen_q == list(range(heads))
+
+
+def test_bundled_shapes_split_as_documented():
+    # SmolLM2: 9 heads, 3 KV heads. tp 2: q 5/4, KV head 1 replicated; tp 4: q 3/2/2/2.
+    s2 = HeadSplit(9, 3, 2)
+    assert [s2.q_range(r) for r in range(2)] == [(0, 5), (5, 9)]
+    assert [s2.kv_range(r) for r in range(2)] == [(0, 2), (1, 3)]
+    assert s2.kv_replicas() == 1
+    s4 = HeadSplit(9, 3, 4)
+    assert [s4.kv_range(r) for r in range(4)] == [(0, 1), (1, 2), (1, 3), (2, 3)]
+    assert s4.kv_map(2).tolist() == [0, 1]
+
+
+def test_tp_beyond_heads_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="use --tp 9 or fewer"):
+        HeadSplit(9, 3, 10)
