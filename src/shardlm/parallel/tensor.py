@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.kernels import local_linear
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.split import HeadSplit, split_range, split_sizes
 
@@ -115,7 +116,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in_local) -> (..., out_features), identical on every rank."""
-        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        y = self.ctx.all_reduce(local_linear(self, x))
         return y + self.bias if self.bias is not None else y
 
 
@@ -177,15 +178,18 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(nn.Module):
     """LM head whose output rows (vocabulary) are split; an all-gather joins the logit columns."""
 
+    packable = True
+
     def __init__(self, start: int, stop: int, dim: int, sizes: list[int], ctx: ParallelContext):
         super().__init__()
+        self.out_features = stop - start
         with torch.device("meta"):
             self.weight = nn.Parameter(torch.empty(stop - start, dim))
         self.sizes, self.ctx = sizes, ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, dim) -> logits (b, s, vocab), identical on every rank."""
-        return self.ctx.all_gather(F.linear(x, self.weight), dim=-1, sizes=self.sizes)
+        return self.ctx.all_gather(local_linear(self, x), dim=-1, sizes=self.sizes)
 
 
 @dataclass(frozen=True)

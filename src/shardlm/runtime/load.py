@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardlm.kernels import pack_linears
 from shardlm.checkpoint.source import CheckpointError, CheckpointSource
 from shardlm.models.args import ModelArgs
 from shardlm.models.registry import Family
@@ -19,8 +20,12 @@ def shard_coord(args: ModelArgs, rank: int, tp: int) -> ShardCoord:
 
 
 def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord, ctx: ParallelContext,
-                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """This rank's part of the model, with weights read from `folder`; no full tensor is read."""
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     pack: bool = True) -> nn.Module:
+    """This rank's part of the model, with weights read from `folder`; no full tensor is read.
+
+    With `pack` (CPU only), linear weights are converted to oneDNN's packed layout (`kernels`).
+    """
     with torch.device("meta"):
         model = family.model_class(args)
     parallelize(model, family.tp_plan, coord, ctx)
@@ -31,7 +36,10 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
         for module in model.modules():
             if hasattr(module, "kv_map"):
                 module.kv_map = coord.heads.kv_map(coord.rank).to(device)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if pack and torch.device(device).type == "cpu":
+        pack_linears(model)
+    return model
 
 
 def _load_params(model: nn.Module, family: Family, src: CheckpointSource, coord: ShardCoord,
