@@ -12,7 +12,8 @@ from rich.console import Console
 
 from shardlm.runtime.engine import RankFailure
 from shardlm.runtime.sampling import SamplingParams
-from shardlm.runtime.session import GenerateOptions, UserError, run_generate
+from shardlm.runtime.session import GenerateOptions, UserError, prepare, run_generate
+from shardlm.runtime.text import StreamDecoder
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run language models sharded across processes and devices.")
@@ -42,20 +43,17 @@ def generate(
     seed: int = typer.Option(0, help="Sampling seed."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user turn with the chat template."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate all --max-new-tokens even past end-of-sequence."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text on TP ranks spawned on this machine; streams the completion to stdout."""
     opts = GenerateOptions(prompts=prompts, model=model, tp=tp, max_new_tokens=max_new_tokens,
-                           sampling=SamplingParams(temperature, top_p, top_k, seed), dtype=dtype, chat=chat)
+                           sampling=SamplingParams(temperature, top_p, top_k, seed), dtype=dtype, chat=chat, ignore_eos=ignore_eos)
     stream = not as_json and len(prompts) == 1
-    decoder, status = None, err.status(f"starting {tp} rank{'s' if tp > 1 else ''}...")
+    status = err.status(f"starting {tp} rank{'s' if tp > 1 else ''}...")
     try:
-        if stream:
-            from shardlm.runtime.text import StreamDecoder, load_tokenizer
-            from shardlm.runtime.session import resolve
-
-            decoder = StreamDecoder(load_tokenizer(resolve(opts)[0]))
-        status.start()
+        job = prepare(opts)
+        decoder = StreamDecoder(job.tokenizer) if stream else None
 
         def on_token(tokens: list[int]) -> None:
             status.stop()
@@ -63,13 +61,14 @@ def generate(
                 sys.stdout.write(decoder.push(tokens[0]))
                 sys.stdout.flush()
 
-        result, summary = run_generate(opts, on_token=on_token)
+        status.start()
+        result, summary = run_generate(job, on_token=on_token)
     except UserError as e:
         status.stop()
         _fail(str(e))
     except RankFailure as e:
         status.stop()
-        _fail(str(e), code=1)
+        _fail(e.summary if e.user_error else str(e), code=2 if e.user_error else 1)
     except KeyboardInterrupt:
         status.stop()
         _fail("interrupted; every rank was stopped", code=130)
@@ -77,7 +76,7 @@ def generate(
         print(json.dumps(summary))
         return
     if stream:
-        print()
+        print(flush=True)
     else:
         for i, text in enumerate(summary["text"]):
             print(f"--- [{i}] {prompts[i]}\n{text}")

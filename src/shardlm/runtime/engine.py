@@ -26,7 +26,22 @@ SHM_SLOT_BYTES = 8 * 2**20
 
 
 class RankFailure(RuntimeError):
-    """A rank process failed or died; the message names the rank and carries its traceback."""
+    """A rank process failed or died; the message names the rank and carries its traceback.
+
+    `user_error` is True when the rank refused bad input (a checkpoint that does not match its
+    config, say) rather than crashing; `summary` is then a one-line explanation.
+    """
+
+    def __init__(self, message: str, summary: str = "", user_error: bool = False):
+        super().__init__(message)
+        self.summary = summary or message
+        self.user_error = user_error
+
+
+def _failure(msg: tuple) -> RankFailure:
+    _, rank, summary, tb, user_error = msg
+    return RankFailure(f"rank {rank} failed: {summary}\n--- rank {rank} traceback ---\n{tb}",
+                       summary=f"rank {rank}: {summary}", user_error=user_error)
 
 
 @dataclass
@@ -94,9 +109,8 @@ class LocalEngine:
                 self._check_alive()
                 continue
             if msg[0] == "error":
-                _, rank, summary, tb = msg
                 self.stop(force=True)
-                raise RankFailure(f"rank {rank} failed: {summary}\n--- rank {rank} traceback ---\n{tb}")
+                raise _failure(msg)
             return msg
         self.stop(force=True)
         raise RankFailure(f"no rank reported for {self.timeout_s:.0f} s; stopped all ranks (raise timeout_s if "
@@ -110,7 +124,7 @@ class LocalEngine:
                     msg = self._results.get_nowait()
                     if msg[0] == "error":
                         self.stop(force=True)
-                        raise RankFailure(f"rank {msg[1]} failed: {msg[2]}\n--- rank {msg[1]} traceback ---\n{msg[3]}")
+                        raise _failure(msg)
                 except queue.Empty:
                     pass
                 self.stop(force=True)
@@ -118,9 +132,10 @@ class LocalEngine:
                 raise RankFailure(f"rank {rank} (pid {p.pid}) died with {how}; stopped every rank")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
-                 pad_id: int = 0, on_token: Callable[[list[int]], None] | None = None) -> GenerateResult:
+                 pad_id: int = 0, on_token: Callable[[list[int]], None] | None = None,
+                 ignore_eos: bool = False) -> GenerateResult:
         """Run one batch to completion; `on_token` gets each step's tokens (-1 for finished rows)."""
-        self._requests.put(Request(prompts, max_new_tokens, sampling, pad_id))
+        self._requests.put(Request(prompts, max_new_tokens, sampling, pad_id, ignore_eos))
         reports: dict[int, dict] = {}
         while len(reports) < self.tp:
             kind, rank, payload = self._next()

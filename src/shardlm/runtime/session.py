@@ -9,6 +9,8 @@ from typing import Callable
 import psutil
 
 from shardlm import bundled
+from shardlm.checkpoint.check import check_checkpoint
+from shardlm.checkpoint.source import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
 from shardlm.models.registry import Family, args_for_config
 from shardlm.runtime.engine import GenerateResult, LocalEngine
@@ -35,6 +37,8 @@ class GenerateOptions:
     sampling: SamplingParams = SamplingParams()
     dtype: str = "float32"
     chat: bool = False
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens (benchmarks, load tests)."""
 
 
 def weight_bytes(args: ModelArgs, dtype: str) -> int:
@@ -78,28 +82,45 @@ def resolve(opts: GenerateOptions) -> tuple[Path, Family, ModelArgs]:
     return folder, family, args
 
 
-def run_generate(opts: GenerateOptions, on_start: Callable[[], None] | None = None,
-                 on_token: Callable[[list[int]], None] | None = None) -> tuple[GenerateResult, dict]:
-    """Validate, tokenize, start `opts.tp` ranks, generate, stop them; returns result and summary."""
+@dataclass
+class Prepared:
+    """A validated request: the model, its tokenizer and the tokenized prompts."""
+
+    opts: GenerateOptions
+    folder: Path
+    family: Family
+    args: ModelArgs
+    tokenizer: object
+    prompt_ids: list[list[int]]
+
+
+def prepare(opts: GenerateOptions) -> Prepared:
+    """Validate everything that can be checked before a rank starts; raises UserError."""
     folder, family, args = resolve(opts)
     check_request(opts, args)
     try:
+        check_checkpoint(folder, family, args)
         tok = load_tokenizer(folder)
         ids = encode_prompts(tok, opts.prompts, opts.chat)
-    except ModelConfigError as e:
+    except (ModelConfigError, CheckpointError) as e:
         raise UserError(str(e)) from e
     longest = max(len(i) for i in ids) + opts.max_new_tokens
     if longest > args.max_seq_len:
         raise UserError(f"prompt plus --max-new-tokens is {longest} tokens but the model allows {args.max_seq_len}; "
                         "shorten the prompt or lower --max-new-tokens")
-    if on_start:
-        on_start()
-    with LocalEngine(str(folder), family.name, args, tp=opts.tp, dtype=opts.dtype) as engine:
-        result = engine.generate(ids, opts.max_new_tokens, opts.sampling, pad_id(tok), on_token=on_token)
+    return Prepared(opts, folder, family, args, tok, ids)
+
+
+def run_generate(job: Prepared, on_token: Callable[[list[int]], None] | None = None) -> tuple[GenerateResult, dict]:
+    """Start `tp` ranks, generate, stop them; returns the result and a JSON-ready summary."""
+    opts, tok = job.opts, job.tokenizer
+    with LocalEngine(str(job.folder), job.family.name, job.args, tp=opts.tp, dtype=opts.dtype) as engine:
+        result = engine.generate(job.prompt_ids, opts.max_new_tokens, opts.sampling, pad_id(tok), on_token=on_token,
+                                 ignore_eos=opts.ignore_eos)
         load_s, ready = engine.load_s, engine.ready
     texts = [tok.decode(t, skip_special_tokens=True) for t in result.token_ids]
     summary = {
-        "model": str(folder), "tp": opts.tp, "dtype": opts.dtype,
+        "model": str(job.folder), "tp": opts.tp, "dtype": opts.dtype,
         "text": texts, "token_ids": result.token_ids,
         "timings": {
             "load_s": load_s,
@@ -110,4 +131,3 @@ def run_generate(opts: GenerateOptions, on_start: Callable[[], None] | None = No
                    "comms": rep["comms"]} for r, rep in enumerate(result.ranks)],
     }
     return result, summary
-

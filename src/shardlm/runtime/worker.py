@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardlm.models.args import ModelArgs
+from shardlm.checkpoint.source import CheckpointError
+from shardlm.models.args import ModelArgs, ModelConfigError
 from shardlm.models.registry import FAMILIES
 from shardlm.parallel.context import ParallelContext
 from shardlm.runtime.load import build_rank_model, shard_coord
@@ -54,6 +55,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams
     pad_id: int = 0
+    ignore_eos: bool = False
 
 
 def _die_with_parent() -> None:
@@ -76,7 +78,8 @@ def rank_main(cfg: WorkerConfig, requests, results) -> None:
     try:
         _serve(cfg, requests, results)
     except BaseException as e:  # noqa: BLE001 - report every failure to the driver, then exit non-zero
-        results.put(("error", cfg.rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        user_error = isinstance(e, (CheckpointError, ModelConfigError))
+        results.put(("error", cfg.rank, f"{type(e).__name__}: {e}", traceback.format_exc(), user_error))
         results.close()
         results.join_thread()  # flush the message before exiting
         os._exit(1)
@@ -123,7 +126,7 @@ def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, re
     on_token = (lambda tok: results.put(("token", 0, tok.tolist()))) if rank == 0 else None
     args = model.args
     out = generate(model, Batch.from_lists(req.prompts, req.pad_id), req.max_new_tokens, req.sampling,
-                   args.eos_token_ids, kv_heads, on_token=on_token, stats=stats)
+                   () if req.ignore_eos else args.eos_token_ids, kv_heads, on_token=on_token, stats=stats)
     report: dict[str, Any] = {
         "tokens": out, "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
         "prompt_tokens": stats.prompt_tokens, "decode_tokens": stats.decode_tokens,

