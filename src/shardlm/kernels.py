@@ -66,7 +66,9 @@ def pack_linears(model: nn.Module) -> int:
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
     packed = 0
-    for name, module in list(model.named_modules()):
+    names = [name for name, _ in model.named_modules()]  # names only: holding the modules would keep
+    for name in names:                                    # every unpacked weight alive until the end
+        module = model.get_submodule(name) if name else model
         weight = getattr(module, "weight", None)
         if weight is None or weight.dim() != 2 or counts.get(id(weight), 0) > 1 or weight.device.type != "cpu":
             continue
@@ -80,5 +82,6 @@ def pack_linears(model: nn.Module) -> int:
             module.weight = None
         else:
             continue
+        del module, weight
         packed += 1
     return packed

@@ -127,7 +127,8 @@ def run_generate(job: Prepared, on_token: Callable[[list[int]], None] | None = N
             "prefill_tokens_per_s": result.prompt_tokens / max(result.prefill_s, 1e-9),
             "decode_tokens_per_s": result.decode_tokens / max(result.decode_s, 1e-9) if result.decode_tokens else None,
         },
-        "ranks": [{"rank": r, "peak_rss_bytes": rep["peak_rss_bytes"], "load_s": ready[r]["load_s"],
+        "ranks": [{"rank": r, "peak_rss_bytes": rep["peak_rss_bytes"], "weight_bytes": ready[r]["weight_bytes"],
+                   "rss_before_load_bytes": ready[r]["rss_before_load_bytes"], "load_s": ready[r]["load_s"],
                    "comms": rep["comms"]} for r, rep in enumerate(result.ranks)],
     }
     return result, summary

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -67,7 +68,18 @@ def _die_with_parent() -> None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size in bytes (Linux reports KiB)."""
+    """This process's peak resident set size in bytes.
+
+    Read from VmHWM, which starts afresh at exec. `getrusage().ru_maxrss` does not: Linux carries it
+    across fork and exec, so a spawned rank would report its parent's peak if that was larger.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -100,13 +112,16 @@ def _setup(cfg: WorkerConfig):
 def _serve(cfg: WorkerConfig, requests, results) -> None:
     t0 = time.perf_counter()
     ctx = _setup(cfg)
+    rss_before = psutil.Process().memory_info().rss
     family = FAMILIES[cfg.family]
     args = ModelArgs.from_dict(cfg.args)
     coord = shard_coord(args, cfg.rank, cfg.world)
     model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype))
     kv_heads = coord.local_kv_heads()
     dist.barrier()
-    results.put(("ready", cfg.rank, {"load_s": time.perf_counter() - t0, "rss_bytes": peak_rss_bytes()}))
+    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    results.put(("ready", cfg.rank, {"load_s": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes(),
+                                     "rss_before_load_bytes": rss_before, "weight_bytes": weight_bytes}))
     try:
         while True:
             box = [requests.get() if cfg.rank == 0 else None]
