@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -53,6 +54,11 @@ def generate(
     status = err.status(f"starting {tp} rank{'s' if tp > 1 else ''}...")
     try:
         job = prepare(opts)
+        cores = os.cpu_count() or 1
+        if tp > cores:
+            err.print(f"[yellow]warning:[/] --tp {tp} on {cores} cores: ranks will share cores, so each step "
+                      "waits for descheduled peers; expect slower decode than --tp "
+                      f"{min(cores, job.args.n_heads)}", highlight=False)
         decoder = StreamDecoder(job.tokenizer) if stream else None
 
         def on_token(tokens: list[int]) -> None:

@@ -1,15 +1,24 @@
-"""Kernel choices. CPU execution format for linear weights: oneDNN pre-packed matrices.
+"""Linear-layer kernels for CPU decode, chosen once per process.
 
-On this class of machine PyTorch's default `F.linear` for one decode row (an MKL gemv) streams
-weights at about 11 GB/s, while the same weights pre-packed for oneDNN stream at about 17 GB/s
-(fp32, 2 threads; bench/RESULTS.md). Packing happens once after loading and replaces the plain
-weight, so memory does not grow. Weights shared with another module (a tied LM head) stay plain:
-packing them would hold the matrix twice.
+A decode step multiplies every weight matrix by one (or a few) activation rows, so it is bound by
+how fast weights stream from memory. Measured on our 2-core machine (fp32, 2 threads, the bundled
+model's 210 linear weights; bench/RESULTS.md): `F.linear` (MKL) ~11 GB/s, oneDNN with pre-packed
+weights ~14-17 GB/s, and the small row-streaming loop in `csrc/gemv.cpp` ~26 GB/s. So:
+
+- "gemv" (default when a C++ compiler is present): weights stay plain; up to GEMV_MAX_ROWS rows
+  go through the compiled loop (built once per machine with torch's JIT extension builder, cached
+  under $SHARDLM_HOME/kernels), larger inputs (prefill) through `F.linear`.
+- "onednn" (fallback): weights are re-laid out once for oneDNN, replacing the plain copy.
+- "torch": plain `F.linear` everywhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import platform
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -17,36 +26,75 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+GEMV_MAX_ROWS = 8
+"""Inputs with at most this many rows (decode batches) use the compiled kernel."""
+_GEMV = None  # the loaded extension module, or False once building it has failed
 
-def packing_available() -> bool:
+
+def _cpu_tag() -> str:
+    """A short hash of the CPU's model and flags: a -march=native build is only valid on such CPUs."""
+    info = platform.processor() + platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info += "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    return hashlib.sha1(info.encode()).hexdigest()[:10]
+
+
+def gemv_module():
+    """The compiled decode kernel, building it on first use; None when it cannot be built here."""
+    global _GEMV
+    if _GEMV is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            from shardlm.bundled import home
+
+            src = Path(__file__).parent / "csrc" / "gemv.cpp"
+            name = f"shardlm_gemv_{_cpu_tag()}_{hashlib.sha1(src.read_bytes()).hexdigest()[:8]}"
+            build = home() / "kernels" / name
+            build.mkdir(parents=True, exist_ok=True)
+            _GEMV = load(name, [str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(build),
+                         verbose=False)
+        except Exception as e:  # no compiler, no headers, an exotic CPU: fall back, say why once
+            log.warning("decode kernel unavailable (%s); using oneDNN/MKL linear layers", e)
+            _GEMV = False
+    return _GEMV or None
+
+
+def choose_mode(requested: str | None = None) -> str:
+    """"gemv", "onednn" or "torch": `requested`, else $SHARDLM_KERNELS, else the fastest available."""
+    mode = requested or os.environ.get("SHARDLM_KERNELS", "auto")
+    if mode not in ("auto", "gemv", "onednn", "torch"):
+        raise ValueError(f"SHARDLM_KERNELS={mode!r} is not one of auto, gemv, onednn, torch")
+    if mode in ("auto", "gemv") and gemv_module() is not None:
+        return "gemv"
+    if mode in ("auto", "gemv", "onednn") and onednn_available():
+        return "onednn"
+    return "torch"
+
+
+def onednn_available() -> bool:
     """True when this torch build has the oneDNN linear ops used here."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN blocked form of a (out, in) weight, tuned for small batches."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+def matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (..., in) @ weight^T -> (..., out) with plain weights: the compiled loop for few rows."""
+    rows = x.numel() // x.shape[-1]
+    gemv = _GEMV or None
+    if gemv is not None and rows <= GEMV_MAX_ROWS and weight.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        y = gemv.gemv(x.reshape(rows, x.shape[-1]).float().contiguous(), weight)  # (rows, out) float32
+        return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    return F.linear(x, weight)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) @ W^T (+ bias) with a packed W -> (..., out)."""
+    """x (..., in) @ W^T (+ bias) with a oneDNN-packed W -> (..., out)."""
     lead = x.shape[:-1]
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return y.view(*lead, out_features)  # (..., out)
-
-
-class PackedLinear(nn.Module):
-    """A frozen nn.Linear whose weight lives in oneDNN's packed layout."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed", pack_weight(linear.weight), persistent=False)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Same result as the nn.Linear it replaced (up to summation order)."""
-        return packed_linear(x, self.packed, self.out_features, self.bias)
 
 
 def local_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -54,34 +102,51 @@ def local_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     packed = getattr(module, "packed", None)
     if packed is not None:
         return packed_linear(x, packed, module.out_features, None)
-    return F.linear(x, module.weight)
+    return matmul_t(x, module.weight)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every untied float linear weight of a CPU model in place; returns how many were packed."""
-    if not packing_available():
-        log.info("oneDNN packing unavailable in this torch build; using F.linear")
-        return 0
+class FastLinear(nn.Module):
+    """A frozen nn.Linear computed by `local_linear` (compiled decode loop or packed oneDNN)."""
+
+    packable = True
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Same result as the nn.Linear it replaced (up to summation order)."""
+        y = local_linear(self, x)
+        return y + self.bias if self.bias is not None else y
+
+
+def prepare_linears(model: nn.Module, mode: str | None = None) -> str:
+    """Route every linear layer of a CPU model through the chosen kernels; returns the mode used.
+
+    In "onednn" mode untied weights are packed in place (the plain copy is dropped); weights
+    shared with another module (a tied LM head) stay plain, since packing would hold them twice.
+    """
+    mode = choose_mode(mode)
+    if mode == "torch":
+        return mode
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
-    packed = 0
     names = [name for name, _ in model.named_modules()]  # names only: holding the modules would keep
-    for name in names:                                    # every unpacked weight alive until the end
+    for name in names:                                    # every replaced weight alive until the end
         module = model.get_submodule(name) if name else model
-        weight = getattr(module, "weight", None)
-        if weight is None or weight.dim() != 2 or counts.get(id(weight), 0) > 1 or weight.device.type != "cpu":
-            continue
         if type(module) is nn.Linear:
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(module))
-        elif getattr(module, "packable", False):
-            module.register_buffer("packed", pack_weight(weight), persistent=False)
+            module = FastLinear(module)
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+        weight = getattr(module, "weight", None)
+        if mode == "onednn" and getattr(module, "packable", False) and weight is not None \
+                and counts.get(id(weight), 0) == 1 and weight.device.type == "cpu":
+            module.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
+                                   persistent=False)
             module.out_features = weight.shape[0]
             del module.weight
             module.weight = None
-        else:
-            continue
         del module, weight
-        packed += 1
-    return packed
+    return mode

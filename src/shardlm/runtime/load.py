@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardlm.kernels import pack_linears
+from shardlm.kernels import prepare_linears
 from shardlm.checkpoint.source import CheckpointError, CheckpointSource
 from shardlm.models.args import ModelArgs
 from shardlm.models.registry import Family
@@ -21,10 +21,11 @@ def shard_coord(args: ModelArgs, rank: int, tp: int) -> ShardCoord:
 
 def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord, ctx: ParallelContext,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     pack: bool = True) -> nn.Module:
+                     kernels: str | None = None) -> nn.Module:
     """This rank's part of the model, with weights read from `folder`; no full tensor is read.
 
-    With `pack` (CPU only), linear weights are converted to oneDNN's packed layout (`kernels`).
+    On CPU the linear layers are routed through `kernels.prepare_linears` (`kernels` picks the
+    mode: "gemv", "onednn", "torch"; default: $SHARDLM_KERNELS or the fastest available).
     """
     with torch.device("meta"):
         model = family.model_class(args)
@@ -37,8 +38,8 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
             if hasattr(module, "kv_map"):
                 module.kv_map = coord.heads.kv_map(coord.rank).to(device)
     model.eval().requires_grad_(False)
-    if pack and torch.device(device).type == "cpu":
-        pack_linears(model)
+    if torch.device(device).type == "cpu":
+        prepare_linears(model, kernels)
     return model
 
 
