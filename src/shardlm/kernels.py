@@ -82,11 +82,8 @@ def onednn_available() -> bool:
 
 def matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (..., in) @ weight^T -> (..., out) with plain weights: the compiled loop for few rows."""
-    rows = x.numel() // x.shape[-1]
-    gemv = _GEMV or None
-    if gemv is not None and rows <= GEMV_MAX_ROWS and weight.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        y = gemv.gemv(x.reshape(rows, x.shape[-1]).float().contiguous(), weight)  # (rows, out) float32
-        return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    if _GEMV and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and not x.is_cuda:
+        return _GEMV.gemv(x, weight)  # (..., out), accumulated in float32
     return F.linear(x, weight)
 
 

@@ -43,10 +43,14 @@ void rows(const W* w, const float* x, float* y, int64_t n, int64_t k, int64_t b,
 
 }  // namespace
 
-// x (b, k) float32 contiguous; w (n, k) float32 or bfloat16 contiguous -> (b, n) float32.
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: shapes (b, k) and (n, k) expected");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && w.is_contiguous(), "gemv: contiguous float x");
+// x (..., k) float32 or bfloat16; w (n, k) float32 or bfloat16 contiguous -> (..., n) in x's dtype.
+// Accumulates in float32. One call per linear layer keeps the per-layer Python overhead small.
+torch::Tensor gemv(torch::Tensor x_in, torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && x_in.size(-1) == w.size(1), "gemv: shapes (..., k) and (n, k) expected");
+  TORCH_CHECK(w.is_contiguous(), "gemv: contiguous weight expected");
+  auto lead = x_in.sizes().vec();
+  lead.pop_back();
+  auto x = x_in.reshape({-1, x_in.size(-1)}).to(torch::kFloat).contiguous();
   const int64_t n = w.size(0), k = w.size(1), b = x.size(0);
   auto y = torch::empty({b, n}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -59,7 +63,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w) {
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { rows<uint16_t>(wp, xp, yp, n, k, b, lo, hi); });
   }
-  return y;
+  lead.push_back(n);
+  return y.view(lead).to(x_in.scalar_type());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gemv", &gemv, "decode matrix-vector product"); }

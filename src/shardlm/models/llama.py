@@ -113,8 +113,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the last dimension and scale by the learned weight."""
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x^2) + eps), in float32
         return self.weight * x.to(dtype)
 
 
@@ -130,9 +129,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.attention_bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.attention_bias)
         self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=args.o_bias)
-        # kv_map[i] = local KV head used by local query head i; regular groups on one device.
-        kv_map = torch.arange(args.n_heads) // args.q_per_kv
-        self.register_buffer("kv_map", kv_map, persistent=False)
+        self.set_kv_map([h // args.q_per_kv for h in range(args.n_heads)])
+
+    def set_kv_map(self, kv_map: list[int], device: str | torch.device | None = None) -> None:
+        """kv_map[i] = local KV head read by local query head i (regular groups on one device)."""
+        self.register_buffer("kv_map", torch.tensor(kv_map, dtype=torch.long, device=device), persistent=False)
+        hq, hkv = len(kv_map), max(kv_map) + 1
+        self.regular_gqa = hq % hkv == 0 and kv_map == [h // (hq // hkv) for h in range(hq)]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache | None) -> torch.Tensor:
@@ -145,21 +148,20 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)  # (b, hkv, t, hd)
-        out = grouped_attention(q, k, v, self.kv_map, mask)  # (b, hq, s, hd)
+        out = grouped_attention(q, k, v, self.kv_map, mask, self.regular_gqa)  # (b, hq, s, hd)
         out = out.transpose(1, 2).reshape(b, s, -1)  # (b, s, hq*hd)
         return self.o_proj(out)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor:
+                      mask: torch.Tensor, regular: bool) -> torch.Tensor:
     """Scaled dot-product attention where query head i reads KV head kv_map[i].
 
     Regular groups (each KV head serves the same number of consecutive query heads) use SDPA's
     GQA path without copying K/V; irregular groups (uneven TP splits) gather K/V per query head.
     """
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq % hkv == 0 and torch.equal(kv_map, torch.arange(hq, device=kv_map.device) // (hq // hkv)):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+    if regular:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     k = k.index_select(1, kv_map)  # (b, hq, t, hd)
     v = v.index_select(1, kv_map)  # (b, hq, t, hd)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -235,4 +237,4 @@ class LlamaForCausalLM(nn.Module):
         """Recompute the non-persistent buffers (rotary frequencies, GQA map) after a meta build."""
         self.inv_freq = rope_inv_freq(self.args).to(device)
         for layer in self.model.layers:
-            layer.self_attn.kv_map = (torch.arange(self.args.n_heads) // self.args.q_per_kv).to(device)
+            layer.self_attn.set_kv_map([h // self.args.q_per_kv for h in range(self.args.n_heads)], device)

@@ -35,8 +35,8 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     model.reset_buffers(device)
     if coord.tp > 1:
         for module in model.modules():
-            if hasattr(module, "kv_map"):
-                module.kv_map = coord.heads.kv_map(coord.rank).to(device)
+            if hasattr(module, "set_kv_map"):
+                module.set_kv_map(coord.heads.kv_map(coord.rank).tolist(), device)
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
         prepare_linears(model, kernels)
