@@ -24,13 +24,17 @@ def test_matmul_t_matches_linear(rows, dtype):
 @pytest.mark.parametrize("mode", ["gemv", "onednn", "torch"])
 def test_prepare_linears_keeps_results_and_ties(mode):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 50, bias=False))
-    x = torch.randint(0, 50, (1, 5))
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 50, bias=False))
+    model[3].weight = model[0].weight  # a tied LM head
+    x = torch.randint(0, 50, (1, 12))
     want = model(x)
     used = kernels.prepare_linears(model.eval().requires_grad_(False), mode)
     assert used == mode
-    assert torch.allclose(model(x), want, atol=1e-5)
-    assert torch.allclose(model(x[:, :1]), want[:, :1], atol=1e-5)
+    assert model[3].weight is model[0].weight, "the tied weight must stay shared, not be packed into a copy"
+    if mode == "onednn":
+        assert model[1].weight is None and model[1].packed is not None
+    assert torch.allclose(model(x), want, atol=1e-5)  # prefill-sized: F.linear or oneDNN
+    assert torch.allclose(model(x[:, :1]), want[:, :1], atol=1e-5)  # decode-sized: the chosen kernel
 
 
 def test_unknown_mode_is_refused():
