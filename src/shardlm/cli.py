@@ -9,7 +9,9 @@ import sys
 from typing import Optional
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
 
 from shardlm.runtime.engine import RankFailure
 from shardlm.runtime.sampling import SamplingParams
@@ -21,9 +23,57 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 err = Console(stderr=True)
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2, status=None, view=None) -> None:
+    if status is not None:
+        status.stop()
+    if view is not None:
+        view.close()
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _warn_oversubscribed(tp: int, heads: int) -> None:
+    cores = os.cpu_count() or 1
+    if tp > cores:
+        err.print(f"[yellow]warning:[/] --tp {tp} on {cores} cores: ranks will share cores, so each step waits "
+                  f"for descheduled peers; expect slower decode than --tp {min(cores, heads)}", highlight=False)
+
+
+class StreamView:
+    """Shows completions as tokens arrive: plain text for one prompt, a live panel per prompt for several."""
+
+    def __init__(self, tokenizer, prompts: list[str]):
+        self.decoders = [StreamDecoder(tokenizer) for _ in prompts]
+        self.prompts, self.texts = prompts, ["" for _ in prompts]
+        self.live = None
+        if len(prompts) > 1:
+            self.live = Live(self._render(), console=Console(), auto_refresh=False, transient=False)
+            self.live.start()
+
+    def _render(self) -> Group:
+        return Group(*(Panel(t or "...", title=f"[{i}] {p}", title_align="left") for i, (p, t)
+                       in enumerate(zip(self.prompts, self.texts))))
+
+    def push(self, tokens: list[int]) -> None:
+        """Append one step's tokens (-1 marks a finished row)."""
+        for i, tok in enumerate(tokens):
+            if tok >= 0:
+                new = self.decoders[i].push(tok)
+                self.texts[i] += new
+                if self.live is None:
+                    sys.stdout.write(new)
+                    sys.stdout.flush()
+        if self.live is not None:
+            self.live.update(self._render(), refresh=True)
+
+    def close(self) -> None:
+        """Finish the output (idempotent)."""
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+        elif self.decoders is not None:
+            print(flush=True)
+        self.decoders = None
 
 
 @app.callback()
@@ -50,42 +100,30 @@ def generate(
     """Generate text on TP ranks spawned on this machine; streams the completion to stdout."""
     opts = GenerateOptions(prompts=prompts, model=model, tp=tp, max_new_tokens=max_new_tokens,
                            sampling=SamplingParams(temperature, top_p, top_k, seed), dtype=dtype, chat=chat, ignore_eos=ignore_eos)
-    stream = not as_json and len(prompts) == 1
     status = err.status(f"starting {tp} rank{'s' if tp > 1 else ''}...")
+    view = None
     try:
         job = prepare(opts)
-        cores = os.cpu_count() or 1
-        if tp > cores:
-            err.print(f"[yellow]warning:[/] --tp {tp} on {cores} cores: ranks will share cores, so each step "
-                      "waits for descheduled peers; expect slower decode than --tp "
-                      f"{min(cores, job.args.n_heads)}", highlight=False)
-        decoder = StreamDecoder(job.tokenizer) if stream else None
+        _warn_oversubscribed(tp, job.args.n_heads)
+        view = None if as_json else StreamView(job.tokenizer, prompts)
 
         def on_token(tokens: list[int]) -> None:
             status.stop()
-            if decoder is not None and tokens[0] >= 0:
-                sys.stdout.write(decoder.push(tokens[0]))
-                sys.stdout.flush()
+            if view is not None:
+                view.push(tokens)
 
         status.start()
         result, summary = run_generate(job, on_token=on_token)
     except UserError as e:
-        status.stop()
-        _fail(str(e))
+        _fail(str(e), status=status, view=view)
     except RankFailure as e:
-        status.stop()
-        _fail(e.summary if e.user_error else str(e), code=2 if e.user_error else 1)
+        _fail(e.summary if e.user_error else str(e), code=2 if e.user_error else 1, status=status, view=view)
     except KeyboardInterrupt:
-        status.stop()
-        _fail("interrupted; every rank was stopped", code=130)
+        _fail("interrupted; every rank was stopped", code=130, status=status, view=view)
     if as_json:
         print(json.dumps(summary))
         return
-    if stream:
-        print(flush=True)
-    else:
-        for i, text in enumerate(summary["text"]):
-            print(f"--- [{i}] {prompts[i]}\n{text}")
+    view.close()
     t = summary["timings"]
     decode = f"{t['decode_tokens_per_s']:.1f}" if t["decode_tokens_per_s"] else "-"
     err.print(f"[dim]tp={tp} load {t['load_s']:.1f} s, prefill {t['prefill_tokens_per_s']:.0f} tok/s, "

@@ -32,6 +32,12 @@ def test_generate_streams_the_bundled_completion():
     assert "tp=2" in res.stderr and "peak RSS" in res.stderr
 
 
+def test_batch_prints_every_completion():
+    res = run_cli("generate", "The capital of France is", "2+2=", "--max-new-tokens", "3", "--tp", "2")
+    assert res.returncode == 0, res.stderr
+    assert "[0] The capital of France is" in res.stdout and "[1] 2+2=" in res.stdout and "Paris" in res.stdout
+
+
 def test_json_batch_matches_transformers_greedy(bundled_dir):
     from transformers import AutoTokenizer
 
