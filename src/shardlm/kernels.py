@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 8
 """Inputs with at most this many rows (decode batches) use the compiled kernel."""
 _GEMV = None  # the loaded extension module, or False once building it has failed
+_ACTIVE = None  # the extension module while "gemv" is the mode chosen by prepare_linears, else None
 
 
 def _cpu_tag() -> str:
@@ -82,8 +83,8 @@ def onednn_available() -> bool:
 
 def matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (..., in) @ weight^T -> (..., out) with plain weights: the compiled loop for few rows."""
-    if _GEMV and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and not x.is_cuda:
-        return _GEMV.gemv(x, weight)  # (..., out), accumulated in float32
+    if _ACTIVE is not None and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and not x.is_cuda:
+        return _ACTIVE.gemv(x, weight)  # (..., out), accumulated in float32
     return F.linear(x, weight)
 
 
@@ -124,7 +125,9 @@ def prepare_linears(model: nn.Module, mode: str | None = None) -> str:
     In "onednn" mode untied weights are packed in place (the plain copy is dropped); weights
     shared with another module (a tied LM head) stay plain, since packing would hold them twice.
     """
+    global _ACTIVE
     mode = choose_mode(mode)
+    _ACTIVE = gemv_module() if mode == "gemv" else None  # one mode per process (one rank, one model)
     if mode == "torch":
         return mode
     counts: dict[int, int] = {}

@@ -12,6 +12,8 @@ from shardlm import kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_t_matches_linear(rows, dtype):
     assert kernels.gemv_module() is not None, "the decode kernel should build on this machine"
+    kernels.prepare_linears(nn.Sequential(), "gemv")  # selects the compiled kernel for this process
+    assert kernels._ACTIVE is not None
     g = torch.Generator().manual_seed(0)
     w = torch.randn(301, 577, generator=g).to(dtype)  # odd sizes: remainder loops
     x = torch.randn(2, rows, 577, generator=g).to(dtype)
