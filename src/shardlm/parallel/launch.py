@@ -28,6 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def threads_per_rank(world: int) -> int:
+    """Torch threads for each of `world` ranks on this machine: its cores shared among them."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
 def _entry(fn: Callable, rank: int, world: int, port: int, threads: int, args: tuple, results) -> None:
     import torch
     import torch.distributed as dist
@@ -57,7 +62,7 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: floa
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    threads = threads or threads_per_rank(world)
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, threads, args, results), daemon=True)
              for r in range(world)]
     for p in procs:

@@ -85,13 +85,17 @@ class ColwiseHeads:
         return _linear(module.in_features, b - a, module.bias is not None)
 
 
-@dataclass(frozen=True)
-class Colwise:
-    """Column-parallel linear over a plain dimension (MLP gate/up): output rows split nearly evenly."""
+class EvenRows:
+    """Styles whose tensors are split along dim 0 into nearly equal chunks (weight and bias alike)."""
 
     def slices(self, param, shape, coord):
-        """Rows [start, stop) of `split_range(out_features, tp, rank)`."""
+        """Rows [start, stop) of `split_range(shape[0], tp, rank)`."""
         return _rows(*split_range(shape[0], coord.tp, coord.rank), shape)
+
+
+@dataclass(frozen=True)
+class Colwise(EvenRows):
+    """Column-parallel linear over a plain dimension (MLP gate/up): output rows split nearly evenly."""
 
     def build(self, module, coord, ctx):
         """A plain Linear with this rank's output rows."""
@@ -193,12 +197,8 @@ class VocabParallelHead(nn.Module):
 
 
 @dataclass(frozen=True)
-class VocabEmbedding:
+class VocabEmbedding(EvenRows):
     """Vocabulary-parallel embedding rows."""
-
-    def slices(self, param, shape, coord):
-        """Rows of this rank's token ids."""
-        return _rows(*split_range(shape[0], coord.tp, coord.rank), shape)
 
     def build(self, module, coord, ctx):
         """VocabParallelEmbedding over this rank's ids."""
@@ -207,12 +207,8 @@ class VocabEmbedding:
 
 
 @dataclass(frozen=True)
-class VocabHead:
+class VocabHead(EvenRows):
     """Vocabulary-parallel LM head rows (the same split as VocabEmbedding, so tied weights align)."""
-
-    def slices(self, param, shape, coord):
-        """Rows of this rank's token ids."""
-        return _rows(*split_range(shape[0], coord.tp, coord.rank), shape)
 
     def build(self, module, coord, ctx):
         """VocabParallelHead over this rank's ids."""

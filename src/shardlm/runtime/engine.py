@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import queue
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from shardlm.models.args import ModelArgs
-from shardlm.parallel.launch import free_port
+from shardlm.parallel.launch import free_port, threads_per_rank
 from shardlm.runtime.sampling import SamplingParams
 from shardlm.runtime.worker import Request, WorkerConfig, rank_main
 
@@ -79,7 +78,7 @@ class LocalEngine:
         t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
         self._requests, self._results = ctx.Queue(), ctx.Queue()
-        threads = self.threads or max(1, (os.cpu_count() or 1) // self.tp)
+        threads = self.threads or threads_per_rank(self.tp)
         port = free_port()
         shm_bytes = SHM_SLOT_BYTES if self.shm and self.tp > 1 else 0
         self._procs = []

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
+import torch
 
 from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
@@ -41,15 +42,15 @@ class GenerateOptions:
     """Keep generating past end-of-sequence tokens (benchmarks, load tests)."""
 
 
-def weight_bytes(args: ModelArgs, dtype: str) -> int:
-    """Bytes of all parameters of the model in `dtype` (tied embeddings counted once)."""
-    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
-    mlp = 3 * args.dim * args.intermediate_size
-    emb = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
-    return (args.n_layers * (attn + mlp + 2 * args.dim) + emb + args.dim) * DTYPE_BYTES[dtype]
+def weight_bytes(family: Family, args: ModelArgs, dtype: str) -> int:
+    """Bytes of all parameters of the model in `dtype` (tied embeddings once), counted on the meta device."""
+    with torch.device("meta"):
+        model = family.model_class(args)
+    tied = model.tied_weight_names()  # tied at load time, so on meta they are still separate tensors
+    return sum(p.numel() for n, p in model.named_parameters() if n not in tied) * DTYPE_BYTES[dtype]
 
 
-def check_request(opts: GenerateOptions, args: ModelArgs) -> None:
+def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> None:
     """Raise UserError for a request this model or machine cannot run, naming the fix."""
     if not opts.prompts or any(not p.strip() for p in opts.prompts):
         raise UserError("empty prompt: give at least one non-empty PROMPT, e.g. shardlm generate \"Hello\"")
@@ -64,11 +65,12 @@ def check_request(opts: GenerateOptions, args: ModelArgs) -> None:
     if not 1 <= opts.tp <= args.n_heads:
         raise UserError(f"--tp {opts.tp} is outside 1..{args.n_heads}: this model has {args.n_heads} attention "
                         f"heads and every rank needs at least one; use --tp {min(max(opts.tp, 1), args.n_heads)}")
-    need = weight_bytes(args, opts.dtype) + opts.tp * RANK_OVERHEAD_BYTES
+    weights = weight_bytes(family, args, opts.dtype)
+    need = weights + opts.tp * RANK_OVERHEAD_BYTES
     have = psutil.virtual_memory().available
     if need > have:
         raise UserError(f"--tp {opts.tp} needs about {need / 2**30:.1f} GiB ({opts.tp} ranks x "
-                        f"{RANK_OVERHEAD_BYTES / 2**20:.0f} MiB overhead + {weight_bytes(args, opts.dtype) / 2**30:.1f} GiB "
+                        f"{RANK_OVERHEAD_BYTES / 2**20:.0f} MiB overhead + {weights / 2**30:.1f} GiB "
                         f"weights) but {have / 2**30:.1f} GiB is available; use a smaller --tp or --dtype bfloat16")
 
 
@@ -97,7 +99,7 @@ class Prepared:
 def prepare(opts: GenerateOptions) -> Prepared:
     """Validate everything that can be checked before a rank starts; raises UserError."""
     folder, family, args = resolve(opts)
-    check_request(opts, args)
+    check_request(opts, family, args)
     try:
         check_checkpoint(folder, family, args)
         tok = load_tokenizer(folder)
