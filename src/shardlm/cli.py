@@ -86,7 +86,7 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progre
 def generate(
     prompts: list[str] = typer.Argument(..., help="One or more prompts; several form one batch."),
     model: Optional[str] = typer.Option(None, help="Local Hugging Face Llama-family folder (default: bundled SmolLM2-135M-Instruct)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: any value from 1 to the number of attention heads."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel degree: any value from 1 to the number of attention heads (default 1)."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling threshold in (0, 1]."),
@@ -96,10 +96,15 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user turn with the chat template."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate all --max-new-tokens even past end-of-sequence."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    manifest: Optional[str] = typer.Option(None, "--manifest", help="Run the plan in this manifest (from `shardlm plan`)."),
 ) -> None:
     """Generate text on TP ranks spawned on this machine; streams the completion to stdout."""
+    tp_given, tp = tp is not None, tp or 1
     opts = GenerateOptions(prompts=prompts, model=model, tp=tp, max_new_tokens=max_new_tokens,
                            sampling=SamplingParams(temperature, top_p, top_k, seed), dtype=dtype, chat=chat, ignore_eos=ignore_eos)
+    if manifest:
+        opts = _from_manifest(manifest, opts, tp_given)
+        tp = opts.tp
     status = err.status(f"starting {tp} rank{'s' if tp > 1 else ''}...")
     view = None
     try:
@@ -131,5 +136,18 @@ def generate(
               + ", ".join(f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" for r in summary["ranks"]) + "[/]")
 
 
+def _from_manifest(path: str, opts: GenerateOptions, tp_given: bool) -> GenerateOptions:
+    from shardlm.manifest import ManifestError, read_manifest
+    from shardlm.runtime.from_manifest import apply_manifest
+
+    try:
+        return apply_manifest(read_manifest(path), path, opts, tp_given)
+    except (ManifestError, UserError) as e:
+        _fail(str(e))
+
+
+from shardlm import cli_plan  # noqa: E402,F401  (registers inspect, plan, validate)
+
 if __name__ == "__main__":
-    app()
+    from shardlm.cli import app as registered  # the importable module carries the registered sub-commands
+    registered()

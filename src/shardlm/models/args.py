@@ -56,6 +56,15 @@ class ModelArgs:
     """Beginning-of-sequence token id."""
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     """End-of-sequence token ids (generation stops on any)."""
+    n_experts: int = 0
+    """Mixture-of-experts: experts per layer (Mixtral's num_local_experts); 0 for a dense MLP."""
+    experts_per_token: int = 0
+    """Mixture-of-experts: experts each token is routed to (num_experts_per_tok); 0 when dense."""
+
+    @property
+    def is_moe(self) -> bool:
+        """True for a mixture-of-experts model."""
+        return self.n_experts > 0
 
     @property
     def q_per_kv(self) -> int:

@@ -28,9 +28,9 @@ def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         model_type = cfg.get("model_type", "llama")
         qkv_bias = bool(cfg.get("attention_bias", False)) or model_type == "qwen2"
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type in ("mistral", "mixtral")) else None
         return ModelArgs(
-            family="llama",
+            family="mixtral" if cfg.get("num_local_experts") else "llama",
             architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
             dim=dim,
             n_layers=int(cfg["num_hidden_layers"]),
@@ -50,6 +50,8 @@ def args_from_hf(cfg: dict[str, Any]) -> ModelArgs:
             sliding_window=int(window) if window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            n_experts=int(cfg.get("num_local_experts") or 0),
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if cfg.get("num_local_experts") else 0,
         )
     except KeyError as e:
         raise ModelConfigError(f"config.json lacks the field {e.args[0]!r} that a Llama-family model needs") from e

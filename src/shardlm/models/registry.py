@@ -9,6 +9,7 @@ from torch import nn
 
 from shardlm.models import llama
 from shardlm.models.args import ModelArgs, ModelConfigError
+from shardlm.models.presets import PRESETS
 from shardlm.parallel.tensor import Colwise, ColwiseHeads, Rowwise, RowwiseHeads, Style, VocabEmbedding, VocabHead
 
 
@@ -20,7 +21,8 @@ class Family:
     architectures: tuple[str, ...]
     """Hugging Face `architectures` values this family runs."""
     args_from_hf: Callable[[dict[str, Any]], ModelArgs]
-    model_class: Callable[[ModelArgs], nn.Module]
+    model_class: Callable[[ModelArgs], nn.Module] | None
+    """Single-device model; None for a family that is planned and inspected but not run yet."""
     tp_plan: dict[str, Style]
     """Module-name pattern -> tensor-parallel style."""
     checkpoint_name: Callable[[str], str]
@@ -41,26 +43,14 @@ LLAMA_TP_PLAN: dict[str, Style] = {
     "lm_head": VocabHead(),
 }
 
-_BASE = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
-         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-         "bos_token_id": 1, "eos_token_id": 2}
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {k: v for k, v in PRESETS.items() if "num_local_experts" not in v}
 
-LLAMA_PRESETS: dict[str, dict[str, Any]] = {
-    # Tiny and awkward on purpose: 12 heads / 4 KV heads, vocab 1001 (divisible by nothing useful).
-    "debug": {**_BASE, "hidden_size": 96, "intermediate_size": 200, "num_hidden_layers": 3,
-              "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 1001,
-              "tie_word_embeddings": False},
-    "smollm2-135m": {**_BASE, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
-                     "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True},
-    "llama-3.2-1b": {**_BASE, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-                     "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
-    "llama-2-7b": {**_BASE, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
-                   "max_position_embeddings": 4096},
+MIXTRAL_TP_PLAN: dict[str, Style] = {
+    **{k: v for k, v in LLAMA_TP_PLAN.items() if ".mlp." not in k},
+    # Each expert's MLP is split like a dense one (TP inside the experts); the router is replicated.
+    "model.layers.*.block_sparse_moe.experts.*.w1": Colwise(),
+    "model.layers.*.block_sparse_moe.experts.*.w3": Colwise(),
+    "model.layers.*.block_sparse_moe.experts.*.w2": Rowwise(),
 }
 
 FAMILIES: dict[str, Family] = {
@@ -72,6 +62,15 @@ FAMILIES: dict[str, Family] = {
         tp_plan=LLAMA_TP_PLAN,
         checkpoint_name=lambda name: name,  # module names already follow HF checkpoints
         presets=LLAMA_PRESETS,
+    ),
+    "mixtral": Family(
+        name="mixtral",
+        architectures=("MixtralForCausalLM",),
+        args_from_hf=llama.args_from_hf,
+        model_class=None,  # planned and inspected; the runtime does not run mixture-of-experts yet
+        tp_plan=MIXTRAL_TP_PLAN,
+        checkpoint_name=lambda name: name,
+        presets={k: v for k, v in PRESETS.items() if "num_local_experts" in v},
     ),
 }
 
@@ -97,3 +96,11 @@ def args_for_config(cfg: dict[str, Any]) -> tuple[Family, ModelArgs]:
     """Family and ModelArgs for an HF config dict."""
     fam = family_for_config(cfg)
     return fam, fam.args_from_hf(cfg)
+
+
+def require_runnable(family: Family, args: ModelArgs) -> None:
+    """Raise ModelConfigError when the runtime cannot run this family yet (it can still be planned)."""
+    if family.model_class is None:
+        raise ModelConfigError(
+            f"{args.architecture} ({family.name}, mixture-of-experts) can be inspected and planned, but the runtime "
+            f"does not run it yet; runnable architectures: {', '.join(FAMILIES['llama'].architectures)}")

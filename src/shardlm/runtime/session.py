@@ -13,7 +13,7 @@ from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
 from shardlm.checkpoint.source import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
-from shardlm.models.registry import Family, args_for_config
+from shardlm.models.registry import Family, args_for_config, require_runnable
 from shardlm.runtime.engine import GenerateResult, LocalEngine
 from shardlm.runtime.sampling import SamplingParams
 from shardlm.runtime.text import encode_prompts, load_tokenizer, pad_id
@@ -79,6 +79,7 @@ def resolve(opts: GenerateOptions) -> tuple[Path, Family, ModelArgs]:
     try:
         folder = bundled.resolve_model(opts.model)
         family, args = args_for_config(read_config(folder))
+        require_runnable(family, args)
     except (bundled.BundledModelError, ModelConfigError) as e:
         raise UserError(str(e)) from e
     return folder, family, args

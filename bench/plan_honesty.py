@@ -1,0 +1,113 @@
+"""Planner honesty: predicted vs measured peak memory per rank and decode tokens/s on this machine.
+
+Run `.venv/bin/shardlm calibrate` first (on an idle machine), then
+    .venv/bin/python bench/plan_honesty.py [--no-write]
+It runs the bundled SmolLM2-135M and a random-weight 600 MB Llama at tp 1..4 (float32, batch 1,
+64-token prompt, 64 new tokens), predicts each with the planner for the same layout, and writes
+the "Planner honesty" section of bench/RESULTS.md. Targets: memory within 10 %, decode within 25 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import RESULTS  # noqa: E402
+
+import decode as _decode  # noqa: E402
+from shardlm import bundled, hardware  # noqa: E402
+from shardlm.models.args import read_config  # noqa: E402
+from shardlm.models.presets import PRESETS  # noqa: E402
+from shardlm.models.random import write_random_checkpoint  # noqa: E402
+from shardlm.models.registry import args_for_config  # noqa: E402
+from shardlm.plan.layout import ParallelLayout  # noqa: E402
+from shardlm.plan.plan import KVBudget  # noqa: E402
+from shardlm.plan.predict import Setting, predict  # noqa: E402
+from shardlm.runtime.engine import LocalEngine  # noqa: E402
+from shardlm.runtime.sampling import SamplingParams  # noqa: E402
+
+HEADING = "## Planner honesty: predicted vs measured (bench/plan_honesty.py)"
+PROMPT, NEW = 64, 64
+WIDE = {**PRESETS["debug"], "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
+
+
+def predicted(folder: Path, tp: int):
+    fam, args = args_for_config(read_config(folder))
+    cal = hardware.read_calibration()
+    cluster = hardware.parse_devices(f"{tp}xcpu-{max(1, int(20 / tp))}GB")
+    layout = ParallelLayout(tp, 1, 1, ((0, args.n_layers),), ((tuple(f"0:{i}" for i in range(tp)),),))
+    st = Setting(args, fam.tp_plan, cluster, "float32", "none", KVBudget(1, PROMPT + NEW, PROMPT))
+    return predict(st, layout), cal is not None
+
+
+def measured(folder: Path, tp: int):
+    fam, args = args_for_config(read_config(folder))
+    prompt = [[(7 * i) % 1000 + 3 for i in range(PROMPT)]]
+    with LocalEngine(str(folder), fam.name, args, tp=tp) as engine:
+        result = engine.generate(prompt, NEW, SamplingParams(), ignore_eos=True)
+    return [r["peak_rss_bytes"] for r in result.ranks], result.decode_tokens / result.decode_s
+
+
+def run(models: dict[str, Path], tps: list[int]) -> list[dict]:
+    rows = []
+    for name, folder in models.items():
+        for tp in tps:
+            pred, calibrated = predicted(folder, tp)
+            rss, tps_meas = measured(folder, tp)
+            for m, r in zip(pred.memory, rss):
+                rows.append({"model": name, "tp": tp, "rank": m.rank, "pred_mem": m.total, "meas_mem": r,
+                             "pred_tps": pred.performance.single_stream_tokens_per_s, "meas_tps": tps_meas,
+                             "calibrated": calibrated})
+            print(f"{name} tp{tp}: memory {[round(m.total / 2**20) for m in pred.memory]} vs "
+                  f"{[round(r / 2**20) for r in rss]} MiB; decode {rows[-1]['pred_tps']:.1f} vs {tps_meas:.1f} tok/s",
+                  flush=True)
+    return rows
+
+
+def section(rows: list[dict], cmd: str) -> str:
+    cal = hardware.read_calibration()
+    mem_err = [abs(r["pred_mem"] / r["meas_mem"] - 1) for r in rows]
+    tps_err = [abs(r["pred_tps"] / r["meas_tps"] - 1) for r in rows if r["rank"] == 0]
+    out = [HEADING, "",
+           f"Command: `{cmd}` on {datetime.date.today()}, {platform.machine()} with {os.cpu_count()} cores. "
+           f"Calibration: {cal['date'] + ' ' + str({k: round(v, 6) for k, v in cal['cpu'].items()}) if cal else 'none (defaults)'}.",
+           f"Float32, batch 1, {PROMPT}-token prompt, {NEW} new tokens. Memory: planner total per rank vs the rank's "
+           "peak RSS (VmHWM). Decode: planner single-stream tok/s vs measured.", "",
+           "| model | tp | rank | predicted MiB | measured MiB | error | predicted tok/s | measured tok/s | error |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        first = r["rank"] == 0
+        out.append(f"| {r['model']} | {r['tp']} | {r['rank']} | {r['pred_mem'] / 2**20:.0f} | {r['meas_mem'] / 2**20:.0f} "
+                   f"| {r['pred_mem'] / r['meas_mem'] - 1:+.1%} | "
+                   + (f"{r['pred_tps']:.1f} | {r['meas_tps']:.1f} | {r['pred_tps'] / r['meas_tps'] - 1:+.1%} |" if first
+                      else " | | |"))
+    out += ["", f"Largest memory error {max(mem_err):.1%} (target 10 %: {'met' if max(mem_err) <= 0.10 else 'NOT met'}); "
+            f"largest decode error {max(tps_err):.1%} (target 25 %: {'met' if max(tps_err) <= 0.25 else 'NOT met'})."]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md as it is")
+    ap.add_argument("--tp", default="1,2,3,4", help="tp degrees to run")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        wide = write_random_checkpoint(WIDE, Path(tmp) / "wide")
+        models = {"SmolLM2-135M (bundled)": bundled.resolve_model(None), "random Llama 155M (wide)": wide}
+        rows = run(models, [int(x) for x in a.tp.split(",")])
+    text = section(rows, "python bench/plan_honesty.py")
+    print(text)
+    if not a.no_write:
+        _decode.HEADING = HEADING
+        _decode.write_section(text)
+
+
+if __name__ == "__main__":
+    main()

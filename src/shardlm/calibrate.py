@@ -1,0 +1,126 @@
+"""`shardlm calibrate`: measure this machine so CPU plans predict from facts, not defaults.
+
+Measures, with every core: the bandwidth our decode kernel reaches reading weights, the FLOP/s of a
+prefill-sized matmul, the fixed time per decoder layer per decode step (Python and kernel dispatch),
+and the resident memory of a rank besides its weights and KV cache. Writes
+$SHARDLM_HOME/calibration.json, which `hardware.cpu_spec` reads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm import kernels
+from shardlm.hardware import CALIBRATION_FILE, _home
+from shardlm.models.presets import PRESETS
+from shardlm.models.registry import args_for_config
+
+
+def _median_time(fn, repeat: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_bandwidth(mb: int = 1024) -> float:
+    """Bytes/s the decode kernel reads: a stack of 4096-wide float32 linears at batch 1."""
+    rows = mb * 2**20 // (4096 * 4 * 4)
+    model = nn.Sequential(*(nn.Linear(4096, rows, bias=False) for _ in range(4))).eval()
+    kernels.prepare_linears(model)
+    x = torch.randn(1, 4096)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    with torch.inference_mode():
+        t = _median_time(lambda: [m(x) for m in model], 7)
+    return nbytes / t
+
+
+def matmul_flops(n: int = 2048, rows: int = 512) -> float:
+    """FLOP/s of a float32 (rows x n) @ (n x n) matmul, the shape of a prefill chunk."""
+    x, w = torch.randn(rows, n), torch.randn(n, n)
+    t = _median_time(lambda: F.linear(x, w), 7)
+    return 2 * rows * n * n / t
+
+
+def layer_overhead_s() -> float:
+    """Seconds per decoder layer per decode step that do not scale with weights: tiny models of
+    2 and 18 layers differ only by this fixed cost."""
+    from shardlm.runtime.sampling import SamplingParams
+    from shardlm.runtime.step import Batch, generate
+
+    def step_time(n_layers: int) -> float:
+        cfg = {**PRESETS["debug"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 256, "num_hidden_layers": n_layers}
+        fam, args = args_for_config(cfg)
+        model = fam.model_class(args).eval()
+        model.reset_buffers()
+        kernels.prepare_linears(model)
+        batch = Batch.from_lists([[1, 2, 3, 4, 5, 6, 7, 8]])
+        runs = []
+        for _ in range(5):
+            from shardlm.runtime.step import GenerationStats
+            stats = GenerationStats()
+            generate(model, batch, 33, SamplingParams(), (), args.n_kv_heads, stats=stats)
+            runs.append(stats.decode_s / stats.decode_tokens)
+        return statistics.median(runs)
+
+    return max(1e-6, (step_time(18) - step_time(2)) / 16)
+
+
+def rank_runtime_bytes() -> int:
+    """Peak resident bytes of a real rank minus its weights and KV cache (Python, torch, gloo, buffers)."""
+    from shardlm.models.random import write_random_checkpoint
+    from shardlm.runtime.engine import LocalEngine
+    from shardlm.runtime.sampling import SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_checkpoint(PRESETS["debug"], Path(tmp))
+        fam, args = args_for_config(PRESETS["debug"])
+        with LocalEngine(tmp, fam.name, args, tp=1) as engine:
+            result = engine.generate([[1, 2, 3, 4]], 4, SamplingParams(), ignore_eos=True)
+            ready = engine.ready[0]
+    return int(result.ranks[0]["peak_rss_bytes"] - ready["weight_bytes"])
+
+
+def calibrate(progress=None) -> dict:
+    """Run every measurement (about a minute) and return the calibration dict."""
+    steps = [("bandwidth", decode_bandwidth), ("flops", matmul_flops), ("layer_overhead_s", layer_overhead_s),
+             ("runtime_bytes", rank_runtime_bytes)]
+    torch.set_num_threads(os.cpu_count() or 1)
+    cpu = {"cores": os.cpu_count() or 1}
+    for name, fn in steps:
+        if progress:
+            progress(name)
+        cpu[name] = fn()
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu}
+
+
+def write_calibration(data: dict, home: Path | None = None) -> Path:
+    """Write calibration.json atomically into $SHARDLM_HOME (or `home`)."""
+    folder = Path(home or _home())
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / CALIBRATION_FILE
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".calibration.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

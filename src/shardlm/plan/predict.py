@@ -1,0 +1,213 @@
+"""Predictions for one layout: memory per rank (memory.py) and speed (cost.py) on a Cluster."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardlm.hardware import Cluster, Device
+from shardlm.models.args import ModelArgs
+from shardlm.parallel.split import HeadSplit
+from shardlm.parallel.tensor import Style
+from shardlm.plan import memory as mem
+from shardlm.plan.cost import (BANDWIDTH_EFFICIENCY, FLOPS_EFFICIENCY, Rate, StageWork, p2p_s, pipeline_step_s,
+                               stage_time)
+from shardlm.plan.layout import ParallelLayout
+from shardlm.plan.plan import KVBudget, Offload, Performance, Predictions, RankMemory
+
+OFFLOAD_BANDWIDTH = {"cpu": 25e9, "disk": 2e9}
+"""Bytes/s streamed from host RAM over PCIe 4.0 x16, and from an NVMe disk (assumed, not measured)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything a prediction needs besides the layout."""
+
+    args: ModelArgs
+    """Model shape."""
+    tp_plan: dict[str, Style]
+    """The family's tensor-parallel plan (the loader's slicing rules)."""
+    cluster: Cluster
+    """The devices."""
+    dtype: str
+    """Storage and compute dtype."""
+    quant: str
+    """none | int8 | int4."""
+    kv: KVBudget
+    """Batch and length the cache is sized for."""
+    offload: Offload = Offload()
+    """Offloaded layers per stage."""
+    micro_batches: int = 0
+    """Pipeline micro-batches; 0 picks min(max_batch, pp)."""
+
+
+def device_map(cluster: Cluster) -> dict[str, Device]:
+    """Address "node:index" -> Device."""
+    return {d.address: d for d in cluster.devices}
+
+
+def predict(st: Setting, layout: ParallelLayout) -> Predictions:
+    """Memory per rank and speed for `layout` under `st`."""
+    devs = device_map(st.cluster)
+    missing = sorted({c.device for c in layout.coords()} - set(devs))
+    if missing:
+        raise ValueError(f"device(s) {', '.join(missing)} are not in the cluster {st.cluster.describe()}; "
+                         f"use addresses from 0:0 to {st.cluster.devices[-1].address}")
+    shards = {r: mem.shard_weights(st.args, st.tp_plan, layout.tp, r, st.dtype, st.quant) for r in range(layout.tp)}
+    memory = tuple(_rank_memory(st, layout, c, shards[c.tp_rank], devs[c.device]) for c in layout.coords())
+    m = st.micro_batches or (min(st.kv.max_batch, layout.pp) if layout.pp > 1 else 1)
+    perf = _performance(st, layout, shards, devs, m)
+    return Predictions(memory, perf, tuple(assumptions(st, layout, devs)))
+
+
+def _stage_facts(layout: ParallelLayout, stage: int) -> tuple[int, bool, bool]:
+    a, b = layout.stage_layers[stage]
+    return b - a, stage == 0, stage == layout.pp - 1
+
+
+def _offloaded(st: Setting, stage: int) -> int:
+    return st.offload.layers[stage] if st.offload.tier != "none" and st.offload.layers else 0
+
+
+def _rank_memory(st: Setting, layout: ParallelLayout, c, w: mem.ShardWeights, dev: Device) -> RankMemory:
+    n, first, last = _stage_facts(layout, c.stage)
+    off = _offloaded(st, c.stage)
+    resident_layers = n - off + (min(2, off))  # two prefetch buffers while layers stream in
+    weights = mem.stage_weight_bytes(w, resident_layers, first, last)
+    kv = mem.kv_bytes(st.args, layout.tp, c.tp_rank, n, st.kv.max_batch, st.kv.max_seq_len, st.dtype)
+    act = mem.activation_bytes(st.args, layout.tp, c.tp_rank, st.kv.max_batch, st.kv.prefill_chunk,
+                               st.kv.prefill_chunk, st.dtype, last)
+    return RankMemory(c.rank, c.device, dev.spec.name, weights, kv, act, dev.spec.runtime_bytes,
+                      dev.spec.memory_bytes, off * w.layer)
+
+
+def _rate(dev: Device, active: int, cluster: Cluster) -> Rate:
+    """A rank's share of its device: CPU ranks on one node split its memory bus and cores."""
+    s = dev.spec
+    node = cluster.nodes[dev.node]
+    share = active if node.shared_memory_bus else 1
+    oversub = max(1.0, active / node.cores) if node.shared_memory_bus and node.cores else 1.0
+    return Rate(s.bandwidth * BANDWIDTH_EFFICIENCY.get(s.kind, 1.0) / share,
+                s.flops * FLOPS_EFFICIENCY.get(s.kind, 1.0) / share, s.layer_overhead_s * oversub)
+
+
+def _active_counts(layout: ParallelLayout, devs: dict[str, Device], m: int) -> dict[tuple[int, int], int]:
+    """(node, stage) -> ranks busy on that node at the same time: the stage's own ranks, or every
+    rank on the node once micro-batches overlap the stages."""
+    per: dict[tuple[int, int], int] = {}
+    for c in layout.coords():
+        per[devs[c.device].node, c.stage] = per.get((devs[c.device].node, c.stage), 0) + 1
+    if m > 1:
+        totals: dict[int, int] = {}
+        for (node, _), n in per.items():
+            totals[node] = totals.get(node, 0) + n
+        return {(node, s): totals[node] for node in totals for s in range(layout.pp)}
+    return per
+
+
+def _work(st: Setting, layout: ParallelLayout, stage: int, tp_rank: int, w: mem.ShardWeights, batch: int,
+          tokens: int, context: int) -> StageWork:
+    """One forward of `batch` sequences x `tokens` new tokens each, attending to `context` positions."""
+    a = st.args
+    n, first, last = _stage_facts(layout, stage)
+    e = mem.DTYPE_BYTES[st.dtype]
+    split = HeadSplit(a.n_heads, a.n_kv_heads, layout.tp)
+    q0, q1 = split.q_range(tp_rank)
+    k0, k1 = split.kv_range(tp_rank)
+    t = batch * tokens
+    layer_read = w.layer - w.experts + w.experts * _expert_read_fraction(a, t)
+    weights = n * layer_read + (w.head if last else 0)
+    kv = 2 * n * batch * (k1 - k0) * context * a.head_dim * e if tokens == 1 else 0
+    flops = 2 * t * (n * w.layer_params + (w.head_params if last else 0)) + 4 * t * n * (q1 - q0) * a.head_dim * context
+    reduces = 2 * n + (1 if first and layout.tp > 1 else 0)  # one after attention, one after the MLP; embedding
+    return StageWork(weights, kv, flops, n, reduces, t * a.dim * e, batch * a.vocab_size * 4 if last else 0,
+                     _offloaded(st, stage) * w.layer)
+
+
+def _expert_read_fraction(a: ModelArgs, tokens: int) -> float:
+    """Share of a layer's bytes read when `tokens` tokens are routed: experts untouched are not read."""
+    if not a.is_moe:
+        return 1.0
+    touched = 1 - (1 - a.experts_per_token / a.n_experts) ** tokens  # expected share of experts hit
+    return touched
+
+
+def _stage_times(st, layout, shards, devs, m, batch, tokens, context) -> list[dict[str, float]]:
+    """Per stage, the slowest tp rank's time breakdown for one micro-batch."""
+    out, active = [], _active_counts(layout, devs, m)
+    for s in range(layout.pp):
+        worst = None
+        for r in range(layout.tp):
+            dev = devs[layout.devices[0][s][r]]
+            rate = _rate(dev, active.get((dev.node, s), 1), st.cluster)
+            t = stage_time(_work(st, layout, s, r, shards[r], batch, tokens, context), rate, layout.tp,
+                           dev.spec.link_latency, dev.spec.link_bandwidth, OFFLOAD_BANDWIDTH.get(st.offload.tier))
+            worst = t if worst is None or t["total"] > worst["total"] else worst
+        out.append(worst)
+    return out
+
+
+def _p2p(st: Setting, layout: ParallelLayout, devs: dict[str, Device], nbytes: float) -> float:
+    """Slowest hop between consecutive stages (inter-node hops use the cluster's network)."""
+    worst = 0.0
+    for s in range(layout.pp - 1):
+        a, b = devs[layout.devices[0][s][0]], devs[layout.devices[0][s + 1][0]]
+        if a.node != b.node:
+            worst = max(worst, p2p_s(nbytes, st.cluster.inter_latency, st.cluster.inter_bandwidth))
+        else:
+            worst = max(worst, p2p_s(nbytes, a.spec.link_latency, a.spec.link_bandwidth))
+    return worst
+
+
+def _decode(st, layout, shards, devs, batch: int, m: int) -> tuple[float, float, list[dict[str, float]]]:
+    """Seconds per decode step for `batch` sequences in m micro-batches, the bubble, and stage breakdowns."""
+    mb = math.ceil(batch / m)
+    context = max(1, st.kv.max_seq_len // 2)  # the cache is half full on average over a generation
+    times = _stage_times(st, layout, shards, devs, m, mb, 1, context)
+    hop = _p2p(st, layout, devs, mb * st.args.dim * mem.DTYPE_BYTES[st.dtype])
+    step, bubble = pipeline_step_s([t["total"] for t in times], hop, m, decode=True)
+    return step, bubble, times
+
+
+def _performance(st: Setting, layout: ParallelLayout, shards, devs, m: int) -> Performance:
+    b = st.kv.max_batch
+    step, bubble, times = _decode(st, layout, shards, devs, b, m)
+    single, _, _ = _decode(st, layout, shards, devs, 1, 1)
+    mb = math.ceil(b / m)
+    chunk = st.kv.prefill_chunk
+    pre_times = _stage_times(st, layout, shards, devs, m, mb, chunk, chunk)
+    hop = _p2p(st, layout, devs, mb * chunk * st.args.dim * mem.DTYPE_BYTES[st.dtype])
+    prefill, _ = pipeline_step_s([t["total"] for t in pre_times], hop, m, decode=False)
+    keys = ("memory", "compute", "collectives", "overhead", "offload")
+    breakdown = {k: sum(t[k] for t in times) for k in keys}
+    return Performance(
+        prefill_tokens_per_s=layout.dp * b * chunk / prefill,
+        decode_latency_s=step,
+        decode_tokens_per_s=layout.dp * b / step,
+        single_stream_tokens_per_s=1 / single,
+        stage_times_s=tuple(t["total"] for t in times),
+        bubble=bubble,
+        micro_batches=m,
+        breakdown=breakdown,
+    )
+
+
+def assumptions(st: Setting, layout: ParallelLayout, devs: dict[str, Device]) -> list[str]:
+    """What the numbers take for granted, in words."""
+    out = []
+    for name, spec in sorted({d.spec.name: d.spec for d in (devs[c.device] for c in layout.coords())}.items()):
+        out.append(f"{name}: {spec.memory_bytes / 2**30:.1f} GiB, {spec.bandwidth / 1e9:.0f} GB/s, "
+                   f"{spec.flops / 1e12:.1f} TFLOP/s, {spec.layer_overhead_s * 1e6:.0f} us per layer, "
+                   f"{spec.runtime_bytes / 2**20:.0f} MiB runtime ({spec.source})")
+    kinds = {devs[c.device].spec.kind for c in layout.coords()}
+    if "cuda" in kinds:
+        out.append(f"GPU kernels reach {BANDWIDTH_EFFICIENCY['cuda']:.0%} of memory bandwidth in decode and "
+                   f"{FLOPS_EFFICIENCY['cuda']:.0%} of peak FLOP/s in prefill; eager mode (no CUDA graphs)")
+    if "cpu" in kinds:
+        out.append("CPU ranks on one machine share its memory bandwidth and cores")
+    out.append(f"decode reads a KV cache half full on average ({st.kv.max_seq_len // 2} of {st.kv.max_seq_len} "
+               f"positions); prefill processes {st.kv.prefill_chunk} tokens per sequence per forward")
+    if st.offload.tier != "none":
+        out.append(f"offloaded layers stream from {st.offload.tier} at {OFFLOAD_BANDWIDTH[st.offload.tier] / 1e9:.0f} "
+                   "GB/s with prefetch overlapping compute")
+    return out

@@ -1,0 +1,67 @@
+"""Turn a manifest into generate options, refusing plainly what the runtime cannot run yet."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from shardlm import bundled
+from shardlm.models.presets import PRESETS
+from shardlm.plan.plan import Plan
+from shardlm.runtime.session import DTYPE_BYTES, GenerateOptions, UserError
+
+
+def _not_yet(what: str, field: str, value, fix: str) -> UserError:
+    return UserError(f"{what} is not supported by the runtime yet (the manifest has {field}: {value}); {fix}")
+
+
+def check_runnable(plan: Plan, source: str) -> None:
+    """Raise UserError naming the manifest field for anything the local runtime cannot run yet."""
+    lay = plan.layout
+    if lay.pp > 1:
+        raise _not_yet("pipeline parallelism", "parallelism.pipeline", lay.pp,
+                       f"re-plan with `shardlm plan ... --pp 1` or edit {source} to one stage")
+    if lay.dp > 1:
+        raise _not_yet("running data-parallel replicas", "parallelism.data", lay.dp, "set parallelism.data to 1")
+    if plan.quantization != "none":
+        raise _not_yet("weight quantization", "quantization", plan.quantization,
+                       "re-plan with --quantization none")
+    if plan.offload.tier != "none":
+        raise _not_yet("weight offload", "offload.tier", plan.offload.tier, "re-plan without --offload")
+    if plan.dtype not in DTYPE_BYTES:
+        raise UserError(f"dtype {plan.dtype} in {source} is not supported by the runtime; use one of "
+                        f"{', '.join(DTYPE_BYTES)}")
+    if plan.cluster != "local" and "cpu" not in plan.cluster.lower():
+        raise UserError(f"{source} places ranks on {plan.cluster}, but the runtime runs ranks as CPU processes on "
+                        "this machine; plan for this machine with --devices NxCPU-SIZE (e.g. 2xcpu-4GB) or omit "
+                        "--devices")
+
+
+def model_folder(plan: Plan) -> str | None:
+    """The checkpoint a manifest's model names: the bundled model for its preset, a folder as given."""
+    name = plan.model.name
+    if name in bundled.ALIASES:
+        return None
+    if Path(name).expanduser().is_dir():
+        return name
+    if name in PRESETS:
+        raise UserError(f"the manifest's model {name} is a preset without local weights; pass --model PATH to a "
+                        f"folder holding its checkpoint (config.json and safetensors)")
+    raise UserError(f"the manifest's model {name} is neither a preset nor an existing folder; fix model.name")
+
+
+def apply_manifest(plan: Plan, source: str, opts: GenerateOptions, tp_given: bool) -> GenerateOptions:
+    """`opts` with the model, tp and dtype the manifest fixes; UserError for what cannot run."""
+    check_runnable(plan, source)
+    if tp_given and opts.tp != plan.layout.tp:
+        raise UserError(f"--tp {opts.tp} contradicts {source} (parallelism.tensor: {plan.layout.tp}); drop --tp or "
+                        "edit the manifest")
+    model = opts.model if opts.model else model_folder(plan)
+    return replace(opts, model=model, tp=plan.layout.tp, dtype=plan.dtype)
+
+
+def check_length(plan: Plan, longest: int, source: str) -> None:
+    """Raise UserError when prompt plus new tokens exceed the manifest's KV budget."""
+    if longest > plan.kv.max_seq_len:
+        raise UserError(f"prompt plus --max-new-tokens is {longest} tokens but {source} sizes the KV cache for "
+                        f"{plan.kv.max_seq_len} (kv_cache.max_seq_len); raise it or generate fewer tokens")

@@ -1,0 +1,100 @@
+"""Planner: byte counts, cost formulas, layer balance, search decisions and validation."""
+
+import pytest
+
+from shardlm.hardware import parse_devices
+from shardlm.models.inventory import tensor_inventory
+from shardlm.models.presets import preset_config
+from shardlm.models.registry import args_for_config
+from shardlm.plan import memory as mem
+from shardlm.plan.balance import assign_layers
+from shardlm.plan.cost import pipeline_step_s, ring_all_reduce_s
+from shardlm.plan.make import PlanError, load_model, make_plan
+from shardlm.plan.plan import KVBudget
+from shardlm.plan.search import Request
+from shardlm.plan.validate import violations
+
+
+def _req(model, devices, batch=1, seq=4096, **kw):
+    ref, fam, args = load_model(model)
+    return Request(ref, args, fam.tp_plan, parse_devices(devices), devices, kv=KVBudget(batch, seq, min(seq, 2048)), **kw)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "debug", "qwen2.5-72b", "mixtral-8x7b"])
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_shard_weights_add_up_to_model_plus_replicas(name, tp):
+    fam, args = args_for_config(preset_config(name))
+    total = sum(mem.tensor_bytes(t, t.shape, "float32", "none") for t in tensor_inventory(args) if t.layer == 0)
+    shards = [mem.shard_weights(args, fam.tp_plan, tp, r, "float32", "none") for r in range(tp)]
+    norms = 2 * args.dim * 4  # two RMSNorm weights per layer, replicated on every rank
+    from shardlm.parallel.split import HeadSplit
+    replicas = HeadSplit(args.n_heads, args.n_kv_heads, tp).kv_replicas()
+    kv_head = 2 * args.head_dim * args.dim * 4 + (2 * args.head_dim * 4 if args.attention_bias else 0)
+    router = args.n_experts * args.dim * 4
+    assert sum(s.layer for s in shards) == total + (tp - 1) * (norms + router) + replicas * kv_head
+
+
+def test_quantized_bytes():
+    fam, args = args_for_config(preset_config("llama-3.1-8b"))
+    w16 = mem.shard_weights(args, fam.tp_plan, 1, 0, "bfloat16", "none").layer
+    w8 = mem.shard_weights(args, fam.tp_plan, 1, 0, "bfloat16", "int8").layer
+    w4 = mem.shard_weights(args, fam.tp_plan, 1, 0, "bfloat16", "int4").layer
+    assert 0.49 < w8 / w16 < 0.51 and 0.25 < w4 / w16 < 0.27
+
+
+def test_ring_all_reduce_formula():
+    assert ring_all_reduce_s(1, 1e6, 1e-6, 1e9) == 0
+    assert ring_all_reduce_s(4, 4e6, 1e-6, 1e9) == pytest.approx(6e-6 + 1.5 * 4e6 / 1e9)
+
+
+def test_pipeline_step_and_bubble():
+    assert pipeline_step_s([1.0, 1.0], 0.0, 1, decode=True) == (2.0, 0.5)
+    step, bubble = pipeline_step_s([1.0, 1.0], 0.0, 4, decode=False)
+    assert step == 5.0 and bubble == pytest.approx(1 / 5)
+    assert pipeline_step_s([1.0, 1.0], 0.0, 4, decode=True) == (4.0, 0.0)
+
+
+def test_assign_layers_balances_and_respects_caps():
+    assert assign_layers(30, [1.0, 2.0], [0, 0], [100, 100]) == [20, 10]
+    assert assign_layers(30, [1.0, 1.0], [0, 0], [12, 100]) == [12, 18]
+    assert assign_layers(30, [1.0, 1.0], [0, 0], [10, 10]) is None
+
+
+def test_70b_on_8xh100_is_tp8_bf16():
+    best = make_plan(_req("llama-3.1-70b", "8xH100-80GB", batch=8)).ranked[0].plan
+    assert (best.layout.tp, best.layout.pp, best.quantization) == (8, 1, "none")
+
+
+def test_405b_on_two_nodes_keeps_tp_inside_a_node():
+    best = make_plan(_req("llama-3.1-405b", "2x8xH100-80GB", batch=8)).ranked[0].plan
+    assert (best.layout.tp, best.layout.pp, best.quantization) == (8, 2, "none")
+    for stage in best.layout.devices[0]:
+        assert len({a.split(":")[0] for a in stage}) == 1
+
+
+def test_8b_on_24gb_with_long_batch_quantizes_rather_than_offloads():
+    best = make_plan(_req("llama-3.1-8b", "1xRTX4090-24GB", batch=8, seq=8192)).ranked[0].plan
+    assert best.quantization == "int8" and best.offload.tier == "none"
+
+
+def test_heterogeneous_devices_get_layers_by_capacity_and_speed():
+    best = make_plan(_req("llama-3.1-70b", "2xRTX4090-24GB,1xA6000-48GB", batch=4, seq=8192)).ranked[0].plan
+    assert best.layout.pp == 3 and best.predictions.performance.imbalance < 0.15
+    assert not violations(best)
+
+
+def test_pinned_tp_that_does_not_divide_heads():
+    best = make_plan(_req("debug", "5xcpu-1GB", tp=5, seq=64)).ranked[0].plan
+    assert best.layout.tp == 5
+    weights = [r.weights for r in best.predictions.memory]
+    assert max(weights) > min(weights)  # 12 heads over 5 ranks: the imbalance is modelled
+
+
+def test_fits_nowhere_says_by_how_much_and_what_helps():
+    with pytest.raises(PlanError, match=r"fits nowhere .* GiB over .*int4|fits nowhere .*devices of"):
+        make_plan(_req("llama-3.1-405b", "1xRTX4090-24GB", quantization="none"))
+
+
+def test_imbalanced_pinned_layers_are_rejected():
+    with pytest.raises(PlanError, match="out of balance"):
+        make_plan(_req("llama-3.1-8b", "2xH100-80GB", pp=2, layers=(28, 4)))
