@@ -3,11 +3,13 @@
     .venv/bin/python bench/plan_presets.py
 
 Calls the planner library (load_model, make_plan), not the CLI, for batch 8 x 8192 tokens, bfloat16,
-quantization auto, objectives latency and throughput, and writes bench/results/plan_presets.md.
+quantization auto, objectives latency and throughput, and writes bench/RESULTS.md (its "Planner presets" section; paste the printed section there).
 Every number is a planner prediction; nothing is run on the hardware named.
 """
 
 from __future__ import annotations
+
+import sys
 
 import datetime
 import subprocess
@@ -19,9 +21,10 @@ from shardlm.plan.make import PlanError, load_model, make_plan
 from shardlm.plan.plan import IMBALANCE_LIMIT, KVBudget
 from shardlm.plan.search import HEADROOM, Request, enumerate_candidates
 
-GiB = 2**30
-BATCH, SEQ = 8, 8192
-OUT = Path(__file__).parent / "results" / "plan_presets.md"
+GiB, BATCH, SEQ = 2**30, 8, 8192
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "RESULTS.md"
+HEADING = "## Planner presets vs vLLM's recommended layouts (bench/plan_presets.py)"
 SETUPS = [  # model, devices, vLLM's (tp, pp, bf16 weights?), what its docs recommend
     ("llama-3.1-8b", "1xRTX4090-24GB", (1, 1, True), "TP1 bf16; 16 GB weights + 8x8192 bf16 KV do not fit 24 GB, "
      "so vLLM starts with a smaller KV cache (fewer concurrent sequences) or needs a quantized checkpoint"),
@@ -34,7 +37,6 @@ SETUPS = [  # model, devices, vLLM's (tp, pp, bf16 weights?), what its docs reco
 
 
 def fullest(plan) -> str:
-    """Predicted GiB / capacity on the device with the highest use."""
     r = max(plan.predictions.memory, key=lambda r: r.total / r.capacity)
     return f"{r.total / GiB:.1f} / {r.capacity / GiB:.1f}"
 
@@ -45,17 +47,15 @@ def shape(plan) -> str:
 
 
 def cols(plan) -> list[str]:
-    """Fullest device, ms per decode step at BATCH, tok/s alone, tok/s at BATCH (over all replicas)."""
+    """Fullest device GiB, ms per decode step, tok/s alone, tok/s at BATCH (summed over replicas)."""
     p, dp = plan.predictions.performance, plan.layout.dp
     return [fullest(plan), f"{p.decode_latency_s * 1e3:.1f}", f"{p.single_stream_tokens_per_s:.1f}",
             f"{p.decode_tokens_per_s:.1f}" + (f" ({dp}x{BATCH} seqs)" if dp > 1 else "")]
 
 
 def numbers(plan, memory=True) -> str:
-    c = cols(plan)
-    tok, _, seqs = c[3].partition(" ")
-    head = f"{c[0]} GiB, " if memory else ""
-    return head + f"{c[1]} ms/step, {c[2]} tok/s x1, {tok} tok/s @{BATCH} {seqs}".rstrip()
+    c, (tok, _, seqs) = cols(plan), cols(plan)[3].partition(" ")
+    return (f"{c[0]} GiB, " if memory else "") + f"{c[1]} ms/step, {c[2]} tok/s x1, {tok} tok/s @{BATCH} {seqs}".strip()
 
 
 def short_reason(c) -> str:
@@ -66,17 +66,13 @@ def short_reason(c) -> str:
         return (f"needs {w.total / GiB:.1f} GiB > {HEADROOM:.0%} of {w.capacity / GiB:.1f} GiB on {w.device_name} "
                 f"(weights {w.weights / GiB:.1f}, KV {w.kv_cache / GiB:.1f})")
     times = "/".join(f"{t * 1e3:.1f}" for t in pred.performance.stage_times_s)
-    return (f"fits ({fullest(c.plan)} GiB) but stage times {times} ms are "
-            f"{pred.performance.imbalance:.0%} out of balance (limit {IMBALANCE_LIMIT:.0%})")
+    return (f"fits ({fullest(c.plan)} GiB) but stage times {times} ms are {pred.performance.imbalance:.0%} out of "
+            f"balance (limit {IMBALANCE_LIMIT:.0%})")
 
 
 def like(cands, tp, pp, quant=None):
     return [c for c in cands if (c.plan.layout.tp, c.plan.layout.pp) == (tp, pp)
             and quant in (None, c.plan.quantization)]
-
-
-def git(*args) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=OUT.parent.parent).stdout.strip()
 
 
 def plan_for(model, devices, objective, quant="auto", batch=BATCH, tp=None):
@@ -96,10 +92,9 @@ def why(best, cands, setup, objective) -> str:
     if best is None:
         return "planner refused (PlanError). vLLM's shape here: " + "; ".join(
             f"{shape(c.plan)} {short_reason(c)}" for c in like(cands, tp, pp))
-    l, q = best.layout, best.quantization
+    l, q, out = best.layout, best.quantization, []
     if (l.tp, l.pp, l.dp) == (tp, pp, 1) and (q == "none") == bf16:
         return "same"
-    out = []
     if q != "none":
         bf = min(like(cands, tp, pp, "none"), key=lambda c: c.overflow)
         fits = next((b for b in range(BATCH - 1, 0, -1) if plan_for(model, devices, objective, "none", b, tp)[0]), 0)
@@ -117,23 +112,23 @@ def why(best, cands, setup, objective) -> str:
 
 
 def render(setup, objective) -> tuple[list[str], list[str]]:
-    """One setup under one objective: the table cells, and the sub-list of alternatives and rejections."""
+    """One setup under one objective: table cells, and the sub-list of alternatives and rejections."""
     model, devices, (tp, pp, _), vllm_words = setup
     ranked, cands, error = plan_for(model, devices, objective)
     best = ranked[0].plan if ranked else None
-    cells = [shape(best), *cols(best)] if best else ["**no plan**", "-", "-", "-", "-"]
     rejected = [c for c in cands if not c.feasible]
     lines = [f"{len(cands)} layouts tried: {len(ranked)} ranked, {len(cands) - len(ranked) - len(rejected)} fit "
              f"only at a lossier quantization (auto ranks the least lossy level that fits), {len(rejected)} rejected"]
     lines += [f"  - alternative {i}: {shape(c.plan)}: {numbers(c.plan)}" for i, c in enumerate(ranked[1:4], 2)]
     if error:
-        lines.append(f"  - planner message: {error}")
         near = sorted((c for c in rejected if c.overflow == 0), key=lambda c: c.plan.predictions.performance.imbalance)
-        lines += [f"  - fits memory but rejected: {shape(c.plan)}: {short_reason(c)}; it would predict "
-                  f"{numbers(c.plan, False)}" for c in near[:3]]
+        lines += [f"  - planner message: {error}"] + [
+            f"  - fits memory but rejected: {shape(c.plan)}: {short_reason(c)}; it would predict "
+            f"{numbers(c.plan, False)}" for c in near[:3]]
     if rejected:
         ex = (like(rejected, tp, pp, "none") or rejected)[0]
         lines.append(f"  - rejected, e.g. {shape(ex.plan)}: {short_reason(ex)}")
+    cells = [shape(best), *cols(best)] if best else ["**no plan**", "-", "-", "-", "-"]
     return [*cells, vllm_words, why(best, cands, setup, objective)], lines
 
 
@@ -149,11 +144,12 @@ def main() -> None:
     head = ["model", "devices", "objective", "our layout (weights TP PP DP [layers/stage])", "fullest GiB / capacity",
             f"decode ms/step @{BATCH}", "tok/s x1", f"tok/s @{BATCH}", "vLLM docs recommend", "why ours differs"]
     table = "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
-    rev = git("describe", "--always", "--dirty")
-    rev += " (the planner, src/shardlm/plan, is not committed)" if git("status", "--porcelain", "src/shardlm/plan") else ""
+    rev, dirty = (subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+                  for a in (["describe", "--always", "--dirty"], ["status", "--porcelain", "src/shardlm/plan"]))
+    rev += " (src/shardlm/plan has uncommitted changes)" if dirty else ""
     text = f"""## Planner presets vs vLLM's recommended layouts (bench/plan_presets.py)
 
-Command: `.venv/bin/python bench/plan_presets.py`. Date: {datetime.date.today()}, commit {rev or "?"}.
+Command: `.venv/bin/python bench/plan_presets.py`. Date: {datetime.date.today()}, commit {rev}.
 Every request: batch {BATCH} x {SEQ} tokens, bfloat16, quantization auto, prefill chunk 2048, objective latency and
 throughput (one row where both pick the same plan).
 
@@ -174,8 +170,10 @@ Alternatives the planner ranked next, and what it rejected:
 
 {chr(10).join(details)}
 """
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
+    sys.path.insert(0, str(ROOT / "bench"))
+    import decode  # its write_section replaces one "## " section of RESULTS.md in place
+    decode.HEADING = HEADING
+    decode.write_section(text)
     print(text, end="")
 
 

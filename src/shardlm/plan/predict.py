@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardlm.hardware import Cluster, Device
 from shardlm.models.args import ModelArgs
@@ -49,6 +49,8 @@ def device_map(cluster: Cluster) -> dict[str, Device]:
 def predict(st: Setting, layout: ParallelLayout) -> Predictions:
     """Memory per rank and speed for `layout` under `st`."""
     devs = device_map(st.cluster)
+    # max_batch counts sequences across all replicas: each replica serves its share.
+    st = replace(st, kv=replace(st.kv, max_batch=math.ceil(st.kv.max_batch / layout.dp)))
     missing = sorted({c.device for c in layout.coords()} - set(devs))
     if missing:
         raise ValueError(f"device(s) {', '.join(missing)} are not in the cluster {st.cluster.describe()}; "

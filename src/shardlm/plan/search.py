@@ -152,7 +152,8 @@ def _evaluate(req: Request, layout: ParallelLayout, quant: str, offload: Offload
     if layout.pp > 1 and perf.imbalance > IMBALANCE_LIMIT:
         times = "/".join(f"{t * 1e3:.1f}" for t in perf.stage_times_s)
         return Candidate(plan, False, f"stage times {times} ms are {perf.imbalance:.0%} out of balance "
-                                      f"(limit {IMBALANCE_LIMIT:.0%}): memory forces uneven layer counts")
+                                      f"(limit {IMBALANCE_LIMIT:.0%}): memory forces uneven layer counts",
+                         overflow=0)
     return Candidate(plan, True)
 
 
@@ -232,6 +233,8 @@ def choose(req: Request, candidates: list[Candidate]) -> list[Candidate]:
     (streaming weights costs far more speed than quantization costs quality), and with quantization
     auto, the least lossy quantization first."""
     feasible = [c for c in candidates if c.feasible]
+    if not feasible:  # fall back to layouts that fit but are out of balance (validate will flag them)
+        feasible = [c for c in candidates if c.overflow == 0 and "out of balance" in c.reason]
     for offloaded in (False, True):
         for q in QUANTIZATIONS:
             level = [c for c in feasible if c.plan.quantization == q and (c.plan.offload.tier != "none") == offloaded]
