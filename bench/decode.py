@@ -47,6 +47,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from shardlm.atomic import atomic_file
 from shardlm.bundled import default_model_dir
 from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config
@@ -562,9 +563,8 @@ def write_section(text: str) -> None:
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
         rest = "\n".join(lines[end:])
         new = "\n".join(lines[:start]) + "\n" + text.rstrip("\n") + "\n" + ("\n" + rest + "\n" if rest else "")
-    tmp = RESULTS.with_suffix(".md.tmp")
-    tmp.write_text(new)
-    os.replace(tmp, RESULTS)
+    with atomic_file(RESULTS) as f:
+        f.write(new)
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import RESULTS  # noqa: E402
 
 import decode as _decode  # noqa: E402
 from shardlm import bundled, hardware  # noqa: E402

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlm.paths import home
+
 log = logging.getLogger(__name__)
 
-SHARDLM_HOME = "SHARDLM_HOME"
-DEFAULT_HOME = "~/.cache/shardlm"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m", MODEL_NAME.lower()}
@@ -50,11 +50,6 @@ TOP_NAMES = {
 
 class BundledModelError(RuntimeError):
     """The bundled model is missing or a requested model folder cannot be used."""
-
-
-def home() -> Path:
-    """Return the shardlm cache folder: ``$SHARDLM_HOME``, default ``~/.cache/shardlm``."""
-    return Path(os.environ.get(SHARDLM_HOME) or DEFAULT_HOME).expanduser()
 
 
 def gguf_path() -> Path:

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm import kernels
-from shardlm.hardware import CALIBRATION_FILE, _home
+from shardlm.atomic import atomic_file
+from shardlm.hardware import CALIBRATION_FILE
+from shardlm.paths import home as shardlm_home
 from shardlm.models.presets import PRESETS
 from shardlm.models.registry import args_for_config
 
@@ -110,17 +112,9 @@ def calibrate(progress=None) -> dict:
 
 def write_calibration(data: dict, home: Path | None = None) -> Path:
     """Write calibration.json atomically into $SHARDLM_HOME (or `home`)."""
-    folder = Path(home or _home())
+    folder = Path(home or shardlm_home())
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / CALIBRATION_FILE
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".calibration.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        json.dump(data, f, indent=2)
     return path

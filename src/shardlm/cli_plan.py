@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Optional
 
 import typer
@@ -150,7 +151,7 @@ def plan(model: str = typer.Argument(..., help="Preset name or local model folde
         req = Request(ref, args, family.tp_plan, clus, cname, dtype, quantization, objective,
                       default_kv(max_batch, max_seq_len, args), tp, pp, _parse_layers(layers), offload)
         if req.layers is not None and req.pp is None:
-            req = Request(**{**req.__dict__, "pp": len(req.layers)})
+            req = replace(req, pp=len(req.layers))
         result = make_plan(req)
     except USER_ERRORS as e:
         _fail(str(e))

@@ -34,11 +34,11 @@ from typing import Any, Callable
 import psutil
 import yaml
 
+from shardlm.paths import home as shardlm_home
+
 GiB = 2**30
 MiB = 2**20
 
-SHARDLM_HOME = "SHARDLM_HOME"
-DEFAULT_HOME = "~/.cache/shardlm"
 CALIBRATION_FILE = "calibration.json"
 
 CUDA_LAYER_OVERHEAD_S = 60e-6  # eager mode: about a dozen kernel launches per decoder layer at ~5 us each
@@ -336,11 +336,6 @@ def _short_size(n: int) -> str:
 # CPU workers and calibration
 
 
-def _home() -> Path:
-    """The shardlm cache folder: ``$SHARDLM_HOME``, default ``~/.cache/shardlm``."""
-    return Path(os.environ.get(SHARDLM_HOME) or DEFAULT_HOME).expanduser()
-
-
 def _check_calibration(data: Any, where: str) -> dict:
     """Return ``data`` if it looks like a calibration (``{"date": ..., "cpu": {...}}``), else raise."""
     fix = "fix: run `shardlm calibrate` again, or delete the file to use defaults"
@@ -362,7 +357,7 @@ def read_calibration(home: Path | None = None) -> dict | None:
     ``home`` defaults to ``$SHARDLM_HOME`` (else ``~/.cache/shardlm``). A file that is not valid JSON
     or lacks a ``cpu`` object of positive numbers raises ``HardwareError``.
     """
-    path = Path(home if home is not None else _home()).expanduser() / CALIBRATION_FILE
+    path = Path(home if home is not None else shardlm_home()).expanduser() / CALIBRATION_FILE
     if not path.is_file():
         return None
     try:

@@ -50,7 +50,7 @@ def gemv_module():
         try:
             from torch.utils.cpp_extension import load
 
-            from shardlm.bundled import home
+            from shardlm.paths import home
 
             src = Path(__file__).parent / "csrc" / "gemv.cpp"
             name = f"shardlm_gemv_{_cpu_tag()}_{hashlib.sha1(src.read_bytes()).hexdigest()[:8]}"

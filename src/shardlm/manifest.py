@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 import re
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, TypeVar
 
 import yaml
 
+from shardlm.atomic import atomic_file
 from shardlm.plan.layout import LayoutError, ParallelLayout, check_ranges
 from shardlm.plan.plan import (DTYPES, OBJECTIVES, OFFLOAD_TIERS, QUANTIZATIONS, KVBudget, ModelRef, Monitoring,
                                Offload, Performance, Plan, Predictions, RankMemory, Serving)
@@ -213,32 +212,8 @@ def write_manifest(plan: Plan, path) -> None:
     a crash or an error leaves either the old file or the new one, never a mix, and no temporary behind.
     OSError (missing folder, no permission) propagates unchanged.
     """
-    path = Path(path)
-    text = plan_to_yaml(plan)
-    mode = path.stat().st_mode & 0o777 if path.is_file() else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # mkstemp makes 0600; a manifest is meant to be read by others
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable. POSIX only: other systems cannot open a folder for fsync."""
-    if os.name != "posix":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with atomic_file(path) as f:
+        f.write(plan_to_yaml(plan))
 
 
 # ---------------------------------------------------------------------------------------------- reading

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardlm import manifest
 from shardlm.manifest import (HEADER, ManifestError, parse_manifest, plan_to_yaml, read_manifest,
                               write_manifest)
 from shardlm.plan.layout import ParallelLayout
@@ -71,7 +70,7 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(manifest.os, "replace", broken_replace)
+    monkeypatch.setattr(os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         write_manifest(plan_2x2x2(), target)
     assert target.read_text() == before and os.listdir(tmp_path) == ["m.yaml"]  # untouched, no temp left

@@ -76,14 +76,24 @@ def layer_tensors(a: ModelArgs, i: int) -> list[TensorInfo]:
     return norms[:1] + _attention(a, p, i) + norms[1:] + _mlp(a, p, i)
 
 
+def outer_tensors(a: ModelArgs) -> dict[str, TensorInfo]:
+    """The tensors outside the decoder layers by part: "embed", "norm" (final) and "head" (absent when tied)."""
+    out = {"embed": TensorInfo("model.embed_tokens.weight", (a.vocab_size, a.dim), None, "embed", False),
+           "norm": TensorInfo("model.norm.weight", (a.dim,), None, "norm", False)}
+    if not a.tie_embeddings:
+        out["head"] = TensorInfo("lm_head.weight", (a.vocab_size, a.dim), None, "head", True)
+    return out
+
+
 def tensor_inventory(a: ModelArgs) -> list[TensorInfo]:
     """All checkpoint tensors in model order; a tied LM head is not listed (it is the embedding)."""
-    out = [TensorInfo("model.embed_tokens.weight", (a.vocab_size, a.dim), None, "embed", False)]
+    outer = outer_tensors(a)
+    out = [outer["embed"]]
     for i in range(a.n_layers):
         out += layer_tensors(a, i)
-    out.append(TensorInfo("model.norm.weight", (a.dim,), None, "norm", False))
-    if not a.tie_embeddings:
-        out.append(TensorInfo("lm_head.weight", (a.vocab_size, a.dim), None, "head", True))
+    out.append(outer["norm"])
+    if "head" in outer:
+        out.append(outer["head"])
     return out
 
 

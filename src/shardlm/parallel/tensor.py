@@ -29,6 +29,11 @@ class ShardCoord:
     heads: HeadSplit
     head_dim: int
 
+    @classmethod
+    def for_model(cls, args, rank: int, tp: int) -> "ShardCoord":
+        """The coordinate of `rank` in a TP group of `tp` for a model with `args` (n_heads, n_kv_heads, head_dim)."""
+        return cls(rank, tp, HeadSplit(args.n_heads, args.n_kv_heads, tp), args.head_dim)
+
     def local_kv_heads(self) -> int:
         """KV heads this rank holds (its KV-cache width in heads)."""
         a, b = self.heads.kv_range(self.rank)

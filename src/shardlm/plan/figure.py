@@ -13,11 +13,10 @@ window can open, and no global figure registry is touched.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardlm.atomic import atomic_file
 from shardlm.plan.plan import Plan, RankMemory
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
@@ -390,14 +389,6 @@ def _stage_lines(plan: Plan, s: int) -> list[tuple[str, ...]]:
 
 
 def _save_atomic(fig, path: Path, fmt: str) -> None:
-    """Save `fig` to a temporary file beside `path`, fsync it, then rename it over `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format=fmt)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Save `fig` over `path` atomically."""
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format=fmt)

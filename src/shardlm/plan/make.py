@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from shardlm import hardware
 from shardlm.models.inventory import parameter_count
 from shardlm.models.presets import resolve_config
-from shardlm.models.registry import Family, args_for_config
+from shardlm.models.registry import args_for_config
 from shardlm.plan.plan import DTYPES, OBJECTIVES, QUANTIZATIONS, KVBudget, ModelRef, Plan
 from shardlm.plan.predict import Setting, predict
 from shardlm.plan.search import Candidate, Request, choose, enumerate_candidates

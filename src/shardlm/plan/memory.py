@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from shardlm.models.args import ModelArgs
-from shardlm.models.inventory import TensorInfo, layer_tensors, tensor_inventory
+from shardlm.models.inventory import TensorInfo, layer_tensors, outer_tensors
 from shardlm.parallel.split import HeadSplit, split_range
 from shardlm.parallel.tensor import ShardCoord, Style, param_slices
 
@@ -55,11 +55,6 @@ class ShardWeights:
     """Bytes of `layer` that are mixture-of-experts weights (read only for experts a token is routed to)."""
 
 
-def coord_for(args: ModelArgs, tp: int, tp_rank: int) -> ShardCoord:
-    """The ShardCoord the loader would use for this tensor-parallel rank."""
-    return ShardCoord(tp_rank, tp, HeadSplit(args.n_heads, args.n_kv_heads, tp), args.head_dim)
-
-
 def _sliced(t: TensorInfo, plan: dict[str, Style], coord: ShardCoord) -> tuple[int, ...]:
     return tuple(s.stop - s.start for s in param_slices(t.name, t.shape, plan, coord))
 
@@ -67,15 +62,14 @@ def _sliced(t: TensorInfo, plan: dict[str, Style], coord: ShardCoord) -> tuple[i
 def shard_weights(args: ModelArgs, plan: dict[str, Style], tp: int, tp_rank: int, dtype: str,
                   quant: str) -> ShardWeights:
     """Weight bytes of rank `tp_rank` of `tp`, from the family's TP plan (replicated parts included)."""
-    coord = coord_for(args, tp, tp_rank)
+    coord = ShardCoord.for_model(args, tp_rank, tp)
     layer = layer_tensors(args, 0)
     shapes = {t.name: _sliced(t, plan, coord) for t in layer}
-    others = {t.part: t for t in tensor_inventory(args) if t.layer is None}
+    others = outer_tensors(args)
     emb = others["embed"]
     emb_b = tensor_bytes(emb, _sliced(emb, plan, coord), dtype, "none")
     head = others.get("head")
-    head_shape = _sliced(head, plan, coord) if head else (split_range(args.vocab_size, tp, tp_rank)[1]
-                                                           - split_range(args.vocab_size, tp, tp_rank)[0], args.dim)
+    head_shape = _sliced(head or emb, plan, coord)  # a tied head is the embedding's vocabulary slice
     return ShardWeights(
         embed=emb_b,
         layer=sum(tensor_bytes(t, shapes[t.name], dtype, quant) for t in layer),

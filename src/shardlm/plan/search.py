@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from shardlm.hardware import Cluster, Device
 from shardlm.models.args import ModelArgs
+from shardlm.parallel.split import split_sizes
 from shardlm.parallel.tensor import Style
 from shardlm.plan import memory as mem
 from shardlm.plan.balance import assign_layers
@@ -161,18 +162,15 @@ def _with_offload(req: Request, layout: ParallelLayout, quant: str) -> Candidate
     """A single-stage layout made to fit by streaming some of its layers from host RAM or disk."""
     if not req.offload or layout.pp != 1 or layout.dp != 1:
         return None
-    kind = {c.device: None for c in layout.coords()}
-    tier = "disk" if all(a.startswith("") and _is_cpu(req.cluster, a) for a in kind) else "cpu"
+    kinds = {d.address: d.spec.kind for d in req.cluster.devices}
+    on_cpu = all(kinds[c.device] == "cpu" for c in layout.coords())
+    tier = "disk" if on_cpu else "cpu"  # a GPU streams from host RAM; CPU ranks stream from disk
     w = mem.shard_weights(req.args, req.tp_plan, layout.tp, 0, req.dtype, quant)
     base = _evaluate(req, layout, quant, Offload())
     n_off = min(req.args.n_layers, math.ceil(base.overflow / max(w.layer, 1)) + 2)
     if n_off >= req.args.n_layers:
         return None
     return _evaluate(req, layout, quant, Offload(tier, (n_off,), None))
-
-
-def _is_cpu(cluster: Cluster, address: str) -> bool:
-    return next(d for d in cluster.devices if d.address == address).spec.kind == "cpu"
 
 
 def _shapes(req: Request, n_groups: int, homogeneous: bool, tp: int) -> list[tuple[int, int]]:
@@ -190,7 +188,7 @@ def enumerate_candidates(req: Request) -> list[Candidate]:
     """Every layout tried, feasible or not."""
     devs = {d.address: d for d in req.cluster.devices}
     homogeneous = len({d.spec.name for d in req.cluster.devices}) == 1
-    quants = [q for q in QUANTIZATIONS] if req.quantization == "auto" else [req.quantization]
+    quants = list(QUANTIZATIONS) if req.quantization == "auto" else [req.quantization]
     per_node = max(len(n.devices) for n in req.cluster.nodes)
     tps = [req.tp] if req.tp else range(1, min(per_node, req.args.n_heads) + 1)
     out = []
@@ -205,18 +203,13 @@ def enumerate_candidates(req: Request) -> list[Candidate]:
 def _try(req, groups, tp, pp, dp, quant, devs) -> Candidate:
     layout, why = _layout(req, groups, tp, pp, dp, quant, devs)
     if layout is None:
-        layout, _ = _layout(replace(req, layers=tuple(_even(req.args.n_layers, pp))), groups, tp, pp, dp, quant, devs)
+        layout, _ = _layout(replace(req, layers=tuple(split_sizes(req.args.n_layers, pp))), groups, tp, pp, dp, quant, devs)
         cand = _evaluate(req, layout, quant, Offload())
         return _with_offload(req, layout, quant) or replace(cand, feasible=False, reason=why + "; " + cand.reason)
     cand = _evaluate(req, layout, quant, Offload())
     if not cand.feasible:
         return _with_offload(req, layout, quant) or cand
     return cand
-
-
-def _even(n: int, parts: int) -> list[int]:
-    from shardlm.parallel.split import split_sizes
-    return split_sizes(n, parts)
 
 
 def rank_key(c: Candidate, objective: str) -> tuple:

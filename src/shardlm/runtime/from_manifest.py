@@ -8,7 +8,7 @@ from pathlib import Path
 from shardlm import bundled
 from shardlm.models.presets import PRESETS
 from shardlm.plan.plan import Plan
-from shardlm.runtime.session import DTYPE_BYTES, GenerateOptions, UserError
+from shardlm.runtime.session import RUNTIME_DTYPES, GenerateOptions, UserError
 
 
 def _not_yet(what: str, field: str, value, fix: str) -> UserError:
@@ -28,9 +28,9 @@ def check_runnable(plan: Plan, source: str) -> None:
                        "re-plan with --quantization none")
     if plan.offload.tier != "none":
         raise _not_yet("weight offload", "offload.tier", plan.offload.tier, "re-plan without --offload")
-    if plan.dtype not in DTYPE_BYTES:
+    if plan.dtype not in RUNTIME_DTYPES:
         raise UserError(f"dtype {plan.dtype} in {source} is not supported by the runtime; use one of "
-                        f"{', '.join(DTYPE_BYTES)}")
+                        f"{', '.join(RUNTIME_DTYPES)}")
     if plan.cluster != "local" and "cpu" not in plan.cluster.lower():
         raise UserError(f"{source} places ranks on {plan.cluster}, but the runtime runs ranks as CPU processes on "
                         "this machine; plan for this machine with --devices NxCPU-SIZE (e.g. 2xcpu-4GB) or omit "

@@ -10,13 +10,12 @@ from shardlm.checkpoint.source import CheckpointError, CheckpointSource
 from shardlm.models.args import ModelArgs
 from shardlm.models.registry import Family
 from shardlm.parallel.context import ParallelContext
-from shardlm.parallel.split import HeadSplit
 from shardlm.parallel.tensor import ShardCoord, param_slices, parallelize
 
 
 def shard_coord(args: ModelArgs, rank: int, tp: int) -> ShardCoord:
     """The ShardCoord of `rank` in a TP group of `tp` for this model."""
-    return ShardCoord(rank=rank, tp=tp, heads=HeadSplit(args.n_heads, args.n_kv_heads, tp), head_dim=args.head_dim)
+    return ShardCoord.for_model(args, rank, tp)
 
 
 def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord, ctx: ParallelContext,

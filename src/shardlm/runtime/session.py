@@ -7,20 +7,22 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
-import torch
 
 from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
 from shardlm.checkpoint.source import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
+from shardlm.models.inventory import parameter_count
 from shardlm.models.registry import Family, args_for_config, require_runnable
+from shardlm.plan.memory import DTYPE_BYTES
 from shardlm.runtime.engine import GenerateResult, LocalEngine
 from shardlm.runtime.sampling import SamplingParams
 from shardlm.runtime.text import encode_prompts, load_tokenizer, pad_id
 
 RANK_OVERHEAD_BYTES = 450 * 2**20
-"""Resident memory of one rank before its weights (Python, torch, gloo); measured ~400 MB here."""
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Resident memory of one rank besides its weights (Python, torch, gloo); measured ~400 MB here."""
+RUNTIME_DTYPES = ("float32", "bfloat16")
+"""Dtypes the CPU runtime computes in."""
 
 
 class UserError(ValueError):
@@ -42,20 +44,17 @@ class GenerateOptions:
     """Keep generating past end-of-sequence tokens (benchmarks, load tests)."""
 
 
-def weight_bytes(family: Family, args: ModelArgs, dtype: str) -> int:
-    """Bytes of all parameters of the model in `dtype` (tied embeddings once), counted on the meta device."""
-    with torch.device("meta"):
-        model = family.model_class(args)
-    tied = model.tied_weight_names()  # tied at load time, so on meta they are still separate tensors
-    return sum(p.numel() for n, p in model.named_parameters() if n not in tied) * DTYPE_BYTES[dtype]
+def weight_bytes(args: ModelArgs, dtype: str) -> int:
+    """Bytes of all parameters of the model in `dtype` (tied embeddings once), from the tensor inventory."""
+    return parameter_count(args) * DTYPE_BYTES[dtype]
 
 
 def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> None:
     """Raise UserError for a request this model or machine cannot run, naming the fix."""
     if not opts.prompts or any(not p.strip() for p in opts.prompts):
         raise UserError("empty prompt: give at least one non-empty PROMPT, e.g. shardlm generate \"Hello\"")
-    if opts.dtype not in DTYPE_BYTES:
-        raise UserError(f"--dtype {opts.dtype} is not supported; use one of {', '.join(DTYPE_BYTES)}")
+    if opts.dtype not in RUNTIME_DTYPES:
+        raise UserError(f"--dtype {opts.dtype} is not supported; use one of {', '.join(RUNTIME_DTYPES)}")
     if opts.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {opts.max_new_tokens}")
     try:
@@ -65,7 +64,7 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
     if not 1 <= opts.tp <= args.n_heads:
         raise UserError(f"--tp {opts.tp} is outside 1..{args.n_heads}: this model has {args.n_heads} attention "
                         f"heads and every rank needs at least one; use --tp {min(max(opts.tp, 1), args.n_heads)}")
-    weights = weight_bytes(family, args, opts.dtype)
+    weights = weight_bytes(args, opts.dtype)
     need = weights + opts.tp * RANK_OVERHEAD_BYTES
     have = psutil.virtual_memory().available
     if need > have:
