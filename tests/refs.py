@@ -51,3 +51,30 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, valid: torch.Tens
     scale = ref[valid].abs().max().item()
     assert diff <= rel * scale, f"max |logit diff| {diff:.3g} > {rel} x max |logit| {scale:.3g}"
     return diff / scale
+
+
+@torch.no_grad()
+def shardlm_stage_rank(rank: int, world: int, folder: str, prompts: list[list[int]], n_new: int, tp: int,
+                       counts: list[int], micro_batches: int, sampling: SamplingParams = SamplingParams()):
+    """On one rank of tp x len(counts) ranks: logits (last stage's rank 0 only), tokens and comms."""
+    from shardlm.parallel.pipeline import StageSpec, pipeline_context, stages_from_counts
+    from shardlm.runtime.pipeline_step import pipeline_generate, pipeline_logits
+
+    family, args = args_for_config(read_config(folder))
+    ctx = pipeline_context(rank, tp, len(counts), 8 * 2**20, timeout_s=60)
+    coord = shard_coord(args, ctx.rank, tp)
+    stage = StageSpec.of(stages_from_counts(counts), ctx.pipe.stage) if ctx.pipe else None
+    model = build_rank_model(folder, family, args, coord, ctx, stage=stage)
+    batch = Batch.from_lists(prompts)
+    if ctx.pipe is None:
+        s = batch.tokens.shape[1]
+        logits = model(batch.tokens, positions_for(batch.valid), attention_mask(batch.valid, 0, s, args.sliding_window))
+        tokens = generate(model, batch, n_new, sampling, (), coord.local_kv_heads())
+    else:
+        logits = pipeline_logits(model, ctx, batch)
+        tokens = pipeline_generate(model, ctx, batch, n_new, sampling, (), coord.local_kv_heads(), micro_batches)
+    if ctx.shm is not None:
+        ctx.shm.close()
+    keep = logits is not None and ctx.rank == 0
+    params = sorted(n for n, _ in model.named_parameters())
+    return (logits if keep else None), tokens, ctx.snapshot(), params

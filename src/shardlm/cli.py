@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 
 from shardlm.runtime.engine import RankFailure
@@ -28,15 +29,15 @@ def _fail(message: str, code: int = 2, status=None, view=None) -> None:
         status.stop()
     if view is not None:
         view.close()
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
-def _warn_oversubscribed(tp: int, heads: int) -> None:
+def _warn_oversubscribed(world: int, heads: int) -> None:
     cores = os.cpu_count() or 1
-    if tp > cores:
-        err.print(f"[yellow]warning:[/] --tp {tp} on {cores} cores: ranks will share cores, so each step waits "
-                  f"for descheduled peers; expect slower decode than --tp {min(cores, heads)}", highlight=False)
+    if world > cores:
+        err.print(f"[yellow]warning:[/] {world} ranks on {cores} cores: ranks will share cores, so each step waits "
+                  f"for descheduled peers; expect slower decode than with {cores} rank(s)", highlight=False)
 
 
 class StreamView:
@@ -96,20 +97,24 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user turn with the chat template."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate all --max-new-tokens even past end-of-sequence."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages (default 1); world = tp x pp ranks."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Decoder layers per stage, e.g. 20,10 (default: even)."),
+    micro_batches: Optional[int] = typer.Option(None, "--micro-batches", help="Micro-batches in flight through the stages (default: one per stage)."),
     manifest: Optional[str] = typer.Option(None, "--manifest", help="Run the plan in this manifest (from `shardlm plan`)."),
 ) -> None:
-    """Generate text on TP ranks spawned on this machine; streams the completion to stdout."""
-    tp_given, tp = tp is not None, tp or 1
-    opts = GenerateOptions(prompts=prompts, model=model, tp=tp, max_new_tokens=max_new_tokens,
-                           sampling=SamplingParams(temperature, top_p, top_k, seed), dtype=dtype, chat=chat, ignore_eos=ignore_eos)
+    """Generate text on tp x pp ranks spawned on this machine; streams the completion to stdout."""
+    given = {"tp": tp is not None, "pp": pp is not None, "layers": layers is not None}
+    opts = GenerateOptions(prompts=prompts, model=model, tp=tp or 1, max_new_tokens=max_new_tokens,
+                           sampling=SamplingParams(temperature, top_p, top_k, seed), dtype=dtype, chat=chat,
+                           ignore_eos=ignore_eos, pp=pp or 1, layers=layer_counts(layers), micro_batches=micro_batches)
     if manifest:
-        opts = _from_manifest(manifest, opts, tp_given)
-        tp = opts.tp
-    status = err.status(f"starting {tp} rank{'s' if tp > 1 else ''}...")
+        opts = _from_manifest(manifest, opts, given)
+    tp, world = opts.tp, opts.world
+    status = err.status(f"starting {world} rank{'s' if world > 1 else ''}...")
     view = None
     try:
         job = prepare(opts)
-        _warn_oversubscribed(tp, job.args.n_heads)
+        _warn_oversubscribed(world, job.args.n_heads)
         view = None if as_json else StreamView(job.tokenizer, prompts)
 
         def on_token(tokens: list[int]) -> None:
@@ -131,17 +136,27 @@ def generate(
     view.close()
     t = summary["timings"]
     decode = f"{t['decode_tokens_per_s']:.1f}" if t["decode_tokens_per_s"] else "-"
-    err.print(f"[dim]tp={tp} load {t['load_s']:.1f} s, prefill {t['prefill_tokens_per_s']:.0f} tok/s, "
+    err.print(f"[dim]tp={tp}{f' pp={opts.pp}' if opts.pp > 1 else ''} load {t['load_s']:.1f} s, prefill {t['prefill_tokens_per_s']:.0f} tok/s, "
               f"decode {decode} tok/s, peak RSS per rank "
               + ", ".join(f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" for r in summary["ranks"]) + "[/]")
 
 
-def _from_manifest(path: str, opts: GenerateOptions, tp_given: bool) -> GenerateOptions:
+def layer_counts(text: str | None) -> tuple[int, ...] | None:
+    """Parse --layers "20,10" into (20, 10); exits with a one-line error for anything else."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        _fail(f"--layers {text!r} is not a comma-separated list of layer counts, e.g. --layers 20,10")
+
+
+def _from_manifest(path: str, opts: GenerateOptions, given: dict[str, bool]) -> GenerateOptions:
     from shardlm.manifest import ManifestError, read_manifest
     from shardlm.runtime.from_manifest import apply_manifest
 
     try:
-        return apply_manifest(read_manifest(path), path, opts, tp_given)
+        return apply_manifest(read_manifest(path), path, opts, given)
     except (ManifestError, UserError) as e:
         _fail(str(e))
 

@@ -8,9 +8,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from shardlm.cli import _fail, app, err
+from shardlm.cli import _fail, app, err, layer_counts
 from shardlm.hardware import HardwareError
 from shardlm.models.args import ModelConfigError
 from shardlm.plan.inspect import inspect_model
@@ -117,15 +118,6 @@ def memory_table(plan: Plan, limit: int = 16) -> Table:
     return t
 
 
-def _parse_layers(layers: Optional[str]) -> tuple[int, ...] | None:
-    if layers is None:
-        return None
-    try:
-        return tuple(int(x) for x in layers.split(","))
-    except ValueError:
-        _fail(f"--layers {layers!r} is not a comma-separated list of layer counts, e.g. --layers 20,10")
-
-
 @app.command()
 def plan(model: str = typer.Argument(..., help="Preset name or local model folder."),
          devices: Optional[str] = typer.Option(None, "--devices", help="e.g. 8xH100-80GB, 2x8xH100-80GB, 2xcpu-4GB"),
@@ -149,7 +141,7 @@ def plan(model: str = typer.Argument(..., help="Preset name or local model folde
         check_options(dtype, quantization, objective, max_batch, max_seq_len or 2, args)
         clus, cname = load_devices(devices, cluster)
         req = Request(ref, args, family.tp_plan, clus, cname, dtype, quantization, objective,
-                      default_kv(max_batch, max_seq_len, args), tp, pp, _parse_layers(layers), offload)
+                      default_kv(max_batch, max_seq_len, args), tp, pp, layer_counts(layers), offload)
         if req.layers is not None and req.pp is None:
             req = replace(req, pp=len(req.layers))
         result = make_plan(req)
@@ -219,7 +211,7 @@ def validate(manifest: str = typer.Argument(..., help="Manifest YAML written by 
                   f"stage imbalance {p.imbalance:.0%}")
     if problems:
         for v in problems:
-            err.print(f"[bold red]error:[/] {v}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(v)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     if not as_json:
         out.print(f"[green]ok:[/] {manifest} fits its devices and its stages are balanced")

@@ -200,13 +200,18 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    """Embedding, decoder layers and final norm (the `model.` prefix of HF checkpoints)."""
+    """Embedding, decoder layers and final norm (the `model.` prefix of HF checkpoints).
+
+    `layers` is keyed by the layer number as a string, so a pipeline stage that keeps layers
+    20..29 still names them `model.layers.20...` like the checkpoint. A stage without the
+    embedding or the final norm holds None there.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -216,27 +221,51 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
-        """tokens, positions (b, s); mask (b, 1, s, t) bool -> logits (b, s or 1, vocab) float32."""
-        x = self.model.embed_tokens(tokens)  # (b, s, dim)
+        """Run the layers this model (or pipeline stage) holds.
+
+        inputs: token ids (b, s) when it holds the embedding, else hidden states (b, s, dim) from the
+        previous stage; positions (b, s); mask (b, 1, s, t) bool. Returns logits (b, s or 1, vocab)
+        float32 when it holds the LM head, else hidden states (b, s, dim) for the next stage.
+        """
+        x = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs  # (b, s, dim)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        for layer in self.model.layers:
+        for layer in self.model.layers.values():
             x = layer(x, cos, sin, mask, cache)
+        if self.lm_head is None:
+            return x
         if last_only:
             x = x[:, -1:]  # (b, 1, dim)
         x = self.model.norm(x)
         return self.lm_head(x).float()
 
+    def keep_stage(self, start: int, stop: int, first: bool, last: bool) -> None:
+        """Drop everything outside one pipeline stage: layers [start, stop), the embedding unless
+        `first`, the final norm and LM head unless `last` (call on the meta device, before loading)."""
+        self.model.layers = nn.ModuleDict({k: v for k, v in self.model.layers.items() if start <= int(k) < stop})
+        if not first:
+            self.model.embed_tokens = None
+        if not last:
+            self.model.norm = None
+            self.lm_head = None
+
     def tied_weight_names(self) -> dict[str, str]:
-        """Parameters that alias another and are not loaded on their own (target -> source)."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_embeddings else {}
+        """Parameters that alias another one held here and are not loaded on their own (target -> source)."""
+        both = self.model.embed_tokens is not None and self.lm_head is not None
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_embeddings and both else {}
+
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """Parameters read from another tensor's checkpoint entry: a last pipeline stage without the
+        embedding reads a tied LM head from `model.embed_tokens.weight`."""
+        alone = self.model.embed_tokens is None and self.lm_head is not None
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_embeddings and alone else {}
 
     def reset_buffers(self, device: str | torch.device = "cpu") -> None:
         """Recompute the non-persistent buffers (rotary frequencies, GQA map) after a meta build."""
         self.inv_freq = rope_inv_freq(self.args).to(device)
-        for layer in self.model.layers:
+        for layer in self.model.layers.values():
             layer.self_attn.set_kv_map([h // self.args.q_per_kv for h in range(self.args.n_heads)], device)

@@ -24,9 +24,39 @@ class OpStats:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class PipePeers:
+    """A rank's pipeline neighbours: global ranks with the same tensor-parallel rank on other stages."""
+
+    stage: int
+    n_stages: int
+    prev: int | None
+    """Rank on the previous stage (None on the first)."""
+    next: int | None
+    """Rank on the next stage (None on the last)."""
+    first: int
+    """Rank on the first stage (where the last stage sends sampled tokens)."""
+    last: int
+    """Rank on the last stage."""
+
+    @property
+    def is_first(self) -> bool:
+        """True on the stage that holds the embedding."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the stage that holds the LM head."""
+        return self.stage == self.n_stages - 1
+
+
 @dataclass
 class ParallelContext:
-    """One rank's view of its tensor-parallel group. World size 1 makes every collective a no-op."""
+    """One rank's view of its tensor-parallel group and pipeline neighbours.
+
+    `rank`/`world` are the rank's position in and the size of its tensor-parallel group; world size
+    1 makes every collective a no-op. `pipe` is None without pipeline parallelism.
+    """
 
     rank: int = 0
     world: int = 1
@@ -34,7 +64,9 @@ class ParallelContext:
     """torch.distributed process group of the TP ranks (None: the default group)."""
     shm: Any = None
     """Optional shared-memory transport with `all_reduce_` and `all_gather` for same-host ranks."""
+    pipe: PipePeers | None = None
     stats: dict[str, OpStats] = field(default_factory=dict)
+    _pending: list = field(default_factory=list)
 
     def _count(self, op: str, nbytes: int, t0: float) -> None:
         s = self.stats.setdefault(op, OpStats())
@@ -69,6 +101,31 @@ class ParallelContext:
             out = _padded_all_gather(t, dim, sizes, self.group)
         self._count("all_gather", out.numel() * out.element_size(), t0)
         return out
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Start sending `t` to global rank `dst` and return at once (the tensor is kept until sent).
+
+        Sends between one pair of ranks arrive in the order they were made. `flush` waits for all.
+        """
+        t0 = time.perf_counter()
+        t = t.contiguous()
+        self._pending = [(w, x) for w, x in self._pending if not w.is_completed()]
+        self._pending.append((dist.isend(t, dst), t))
+        self._count("send", t.numel() * t.element_size(), t0)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """Receive a tensor of `shape` and `dtype` from global rank `src` (blocks; the group's timeout applies)."""
+        t0 = time.perf_counter()
+        t = torch.empty(shape, dtype=dtype)
+        dist.recv(t, src)
+        self._count("recv", t.numel() * t.element_size(), t0)
+        return t
+
+    def flush(self) -> None:
+        """Wait until every send this rank started has been delivered."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Plain-dict copy of the counters."""

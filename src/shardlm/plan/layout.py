@@ -102,23 +102,3 @@ def check_ranges(ranges: tuple[tuple[int, int], ...] | list, n_layers: int | Non
     if n_layers is not None and expect != n_layers:
         raise LayoutError(f"the stages cover layers 0..{expect - 1} but the model has {n_layers} layers; "
                           f"end the last stage at {n_layers}")
-
-
-def even_stages(n_layers: int, pp: int) -> tuple[tuple[int, int], ...]:
-    """Layer ranges for `pp` stages differing by at most one layer (larger first)."""
-    from shardlm.parallel.split import split_sizes
-
-    ranges, start = [], 0
-    for size in split_sizes(n_layers, pp):
-        ranges.append((start, start + size))
-        start += size
-    return tuple(ranges)
-
-
-def stages_from_counts(counts: list[int]) -> tuple[tuple[int, int], ...]:
-    """Layer ranges from per-stage layer counts, e.g. [20, 10] -> ((0, 20), (20, 30))."""
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append((start, start + c))
-        start += c
-    return tuple(ranges)

@@ -57,12 +57,14 @@ class GenerateResult:
 
 @dataclass
 class LocalEngine:
-    """Ranks 0..tp-1 as local processes over gloo (and shared memory for the collectives)."""
+    """tp x pp ranks as local processes over gloo (and shared memory for each stage's collectives)."""
 
     model_dir: str
     family: str
     args: ModelArgs
     tp: int = 1
+    stage_layers: tuple = ()
+    """[start, stop) decoder layers per pipeline stage; empty: one stage."""
     dtype: str = "float32"
     threads: int | None = None
     """Torch threads per rank; default: this machine's cores divided among the ranks."""
@@ -72,29 +74,37 @@ class LocalEngine:
     """Longest wait for any rank; a silent rank past it is reported as hung."""
     load_s: float = 0.0
     ready: list[dict] = field(default_factory=list)
+    last_comms: list = field(default_factory=list)
+    """Each rank's cumulative comms counters after the last generate (for deltas)."""
+
+    @property
+    def world(self) -> int:
+        """Rank processes: tp per stage times the stages."""
+        return self.tp * max(1, len(self.stage_layers))
 
     def start(self) -> "LocalEngine":
         """Spawn the ranks and wait until every one has loaded its part of the model."""
         t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
         self._requests, self._results = ctx.Queue(), ctx.Queue()
-        threads = self.threads or threads_per_rank(self.tp)
+        world = self.world
+        threads = self.threads or threads_per_rank(world)
         port = free_port()
         shm_bytes = SHM_SLOT_BYTES if self.shm and self.tp > 1 else 0
         self._procs = []
-        for rank in range(self.tp):
-            cfg = WorkerConfig(rank, self.tp, port, str(self.model_dir), self.family, self.args.to_dict(),
-                               self.dtype, threads, shm_bytes, self.timeout_s)
+        for rank in range(world):
+            cfg = WorkerConfig(rank, world, port, str(self.model_dir), self.family, self.args.to_dict(),
+                               self.dtype, threads, shm_bytes, self.timeout_s, self.tp, tuple(self.stage_layers))
             p = ctx.Process(target=rank_main, args=(cfg, self._requests, self._results), daemon=True,
                             name=f"shardlm-rank{rank}")
             p.start()
             self._procs.append(p)
         ready = {}
-        while len(ready) < self.tp:
+        while len(ready) < world:
             kind, rank, payload = self._next()
             if kind == "ready":
                 ready[rank] = payload
-        self.ready = [ready[r] for r in range(self.tp)]
+        self.ready = [ready[r] for r in range(world)]
         self.load_s = time.perf_counter() - t0
         return self
 
@@ -108,12 +118,26 @@ class LocalEngine:
                 self._check_alive()
                 continue
             if msg[0] == "error":
-                self.stop(force=True)
-                raise _failure(msg)
+                raise self._root_cause(msg)
             return msg
         self.stop(force=True)
         raise RankFailure(f"no rank reported for {self.timeout_s:.0f} s; stopped all ranks (raise timeout_s if "
                           "the model is that slow)")
+
+    def _root_cause(self, msg: tuple) -> RankFailure:
+        """Stop every rank and name the first failure: a rank killed by a signal, when its peers only
+        failed because their link to it broke, else the rank that reported `msg`."""
+        deadline = time.monotonic() + 1.0
+        killed = []
+        while not killed and time.monotonic() < deadline:
+            killed = [(r, p) for r, p in enumerate(self._procs) if p.exitcode is not None and p.exitcode < 0]
+            time.sleep(0.05)
+        self.stop(force=True)
+        if killed:
+            rank, p = killed[0]
+            return RankFailure(f"rank {rank} (pid {p.pid}) died with signal {-p.exitcode}; stopped every rank "
+                               f"(rank {msg[1]} then lost its link to it: {msg[2]})")
+        return _failure(msg)
 
     def _check_alive(self) -> None:
         for rank, p in enumerate(self._procs):
@@ -132,20 +156,25 @@ class LocalEngine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
                  pad_id: int = 0, on_token: Callable[[list[int]], None] | None = None,
-                 ignore_eos: bool = False) -> GenerateResult:
-        """Run one batch to completion; `on_token` gets each step's tokens (-1 for finished rows)."""
-        self._requests.put(Request(prompts, max_new_tokens, sampling, pad_id, ignore_eos))
+                 ignore_eos: bool = False, micro_batches: int = 1) -> GenerateResult:
+        """Run one batch to completion; `on_token` gets each step's tokens (-1 for rows without one).
+
+        With pipeline stages, `micro_batches` groups of rows are in flight at once and `on_token`
+        is called once per micro-batch step.
+        """
+        self._requests.put(Request(prompts, max_new_tokens, sampling, pad_id, ignore_eos, micro_batches))
         reports: dict[int, dict] = {}
-        while len(reports) < self.tp:
+        while len(reports) < self.world:
             kind, rank, payload = self._next()
             if kind == "token" and on_token is not None:
                 on_token(payload)
             elif kind == "done":
                 reports[rank] = payload
-        ranks = [reports[r] for r in range(self.tp)]
+        ranks = [reports[r] for r in range(self.world)]
         for r in ranks[1:]:
-            if r["tokens"] != ranks[0]["tokens"]:
+            if r["tokens"] is not None and r["tokens"] != ranks[0]["tokens"]:
                 raise RankFailure("ranks produced different tokens (their logits disagree); this is a bug, please report it")
+        self.last_comms = [r["comms"] for r in ranks]
         r0 = ranks[0]
         return GenerateResult(r0["tokens"], ranks, r0["prefill_s"], r0["decode_s"], r0["prompt_tokens"], r0["decode_tokens"])
 

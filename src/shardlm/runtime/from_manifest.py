@@ -18,9 +18,6 @@ def _not_yet(what: str, field: str, value, fix: str) -> UserError:
 def check_runnable(plan: Plan, source: str) -> None:
     """Raise UserError naming the manifest field for anything the local runtime cannot run yet."""
     lay = plan.layout
-    if lay.pp > 1:
-        raise _not_yet("pipeline parallelism", "parallelism.pipeline", lay.pp,
-                       f"re-plan with `shardlm plan ... --pp 1` or edit {source} to one stage")
     if lay.dp > 1:
         raise _not_yet("running data-parallel replicas", "parallelism.data", lay.dp, "set parallelism.data to 1")
     if plan.quantization != "none":
@@ -50,14 +47,23 @@ def model_folder(plan: Plan) -> str | None:
     raise UserError(f"the manifest's model {name} is neither a preset nor an existing folder; fix model.name")
 
 
-def apply_manifest(plan: Plan, source: str, opts: GenerateOptions, tp_given: bool) -> GenerateOptions:
-    """`opts` with the model, tp and dtype the manifest fixes; UserError for what cannot run."""
+def apply_manifest(plan: Plan, source: str, opts: GenerateOptions, given: dict[str, bool]) -> GenerateOptions:
+    """`opts` with the model, tp, stages and dtype the manifest fixes; UserError for what cannot run.
+
+    `given` says which of tp, pp and layers the user also passed on the command line: those must
+    agree with the manifest.
+    """
     check_runnable(plan, source)
-    if tp_given and opts.tp != plan.layout.tp:
-        raise UserError(f"--tp {opts.tp} contradicts {source} (parallelism.tensor: {plan.layout.tp}); drop --tp or "
-                        "edit the manifest")
+    lay = plan.layout
+    counts = tuple(b - a for a, b in lay.stage_layers)
+    fixed = {"tp": (opts.tp, lay.tp, "parallelism.tensor"), "pp": (opts.pp, lay.pp, "parallelism.pipeline"),
+             "layers": (opts.layers, counts, "stages[].layers")}
+    for flag, (ours, theirs, field) in fixed.items():
+        if given.get(flag) and ours != theirs:
+            shown = ",".join(map(str, theirs)) if isinstance(theirs, tuple) else theirs
+            raise UserError(f"--{flag} contradicts {source} ({field}: {shown}); drop --{flag} or edit the manifest")
     model = opts.model if opts.model else model_folder(plan)
-    return replace(opts, model=model, tp=plan.layout.tp, dtype=plan.dtype)
+    return replace(opts, model=model, tp=lay.tp, pp=lay.pp, layers=counts if lay.pp > 1 else None, dtype=plan.dtype)
 
 
 def check_length(plan: Plan, longest: int, source: str) -> None:

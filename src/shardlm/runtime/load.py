@@ -10,6 +10,7 @@ from shardlm.checkpoint.source import CheckpointError, CheckpointSource
 from shardlm.models.args import ModelArgs
 from shardlm.models.registry import Family
 from shardlm.parallel.context import ParallelContext
+from shardlm.parallel.pipeline import StageSpec
 from shardlm.parallel.tensor import ShardCoord, param_slices, parallelize
 
 
@@ -20,14 +21,18 @@ def shard_coord(args: ModelArgs, rank: int, tp: int) -> ShardCoord:
 
 def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord, ctx: ParallelContext,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     kernels: str | None = None) -> nn.Module:
+                     kernels: str | None = None, stage: StageSpec | None = None) -> nn.Module:
     """This rank's part of the model, with weights read from `folder`; no full tensor is read.
 
-    On CPU the linear layers are routed through `kernels.prepare_linears` (`kernels` picks the
-    mode: "gemv", "onednn", "torch"; default: $SHARDLM_KERNELS or the fastest available).
+    `stage` keeps only one pipeline stage's layers (and the embedding or head where it has them);
+    no tensor of another stage is read. On CPU the linear layers are routed through
+    `kernels.prepare_linears` (`kernels` picks the mode: "gemv", "onednn", "torch"; default:
+    $SHARDLM_KERNELS or the fastest available).
     """
     with torch.device("meta"):
         model = family.model_class(args)
+    if stage is not None:
+        model.keep_stage(stage.start, stage.stop, stage.first, stage.last)
     parallelize(model, family.tp_plan, coord, ctx)
     with CheckpointSource(folder) as src:
         _load_params(model, family, src, coord, dtype, device)
@@ -44,11 +49,11 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
 
 def _load_params(model: nn.Module, family: Family, src: CheckpointSource, coord: ShardCoord,
                  dtype: torch.dtype, device) -> None:
-    tied = model.tied_weight_names()
+    tied, aliases = model.tied_weight_names(), model.checkpoint_aliases()
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if name in tied:
             continue
-        ck_name = family.checkpoint_name(name)
+        ck_name = family.checkpoint_name(aliases.get(name, name))
         shape = src.shape(ck_name)
         slices = param_slices(ck_name, shape, family.tp_plan, coord)
         local = tuple(s.stop - s.start for s in slices)

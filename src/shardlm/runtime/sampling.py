@@ -18,7 +18,7 @@ class SamplingParams:
     top_k: int = 0
     """Keep only the k most likely tokens; 0 keeps all."""
     seed: int = 0
-    """Seed of the sampling generator (every rank uses it, so every rank draws the same token)."""
+    """Seed of the sampling generators (every rank uses it, so every rank draws the same token)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value and the accepted range."""
@@ -30,8 +30,17 @@ class SamplingParams:
             raise ValueError(f"--top-k must be >= 0 (0 = no limit), got {self.top_k}")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """Pick one token per row of logits (b, vocab) -> (b,)."""
+def row_generators(seed: int, rows: int) -> list[torch.Generator]:
+    """One generator per sequence of a batch, seeded from `seed` and the row number.
+
+    Each sequence draws from its own stream, so its tokens do not depend on how the batch is cut
+    into micro-batches or on which stage samples it.
+    """
+    return [torch.Generator().manual_seed(seed * 1_000_003 + row) for row in range(rows)]
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
+    """Pick one token per row of logits (b, vocab) -> (b,); row i draws from generators[i]."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / params.temperature
@@ -46,5 +55,5 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = probs.cumsum(dim=-1) - probs >= params.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(dim=-1)  # (b, vocab)
+    return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generators)])

@@ -14,6 +14,8 @@ from shardlm.checkpoint.source import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
 from shardlm.models.inventory import parameter_count
 from shardlm.models.registry import Family, args_for_config, require_runnable
+from shardlm.parallel.pipeline import auto_micro_batches, even_stages, stages_from_counts
+from shardlm.parallel.split import split_sizes as even_counts
 from shardlm.plan.memory import DTYPE_BYTES
 from shardlm.runtime.engine import GenerateResult, LocalEngine
 from shardlm.runtime.sampling import SamplingParams
@@ -42,6 +44,29 @@ class GenerateOptions:
     chat: bool = False
     ignore_eos: bool = False
     """Keep generating past end-of-sequence tokens (benchmarks, load tests)."""
+    pp: int = 1
+    """Pipeline stages."""
+    layers: tuple[int, ...] | None = None
+    """Decoder layers per stage (e.g. (20, 10)); None splits them evenly."""
+    micro_batches: int | None = None
+    """Micro-batches in flight through the stages; None picks one per stage (capped by the batch)."""
+
+    @property
+    def world(self) -> int:
+        """Rank processes this request starts."""
+        return self.tp * self.pp
+
+    def stage_layers(self, n_layers: int) -> tuple[tuple[int, int], ...]:
+        """[start, stop) layers of each stage (empty without pipeline parallelism)."""
+        if self.pp == 1:
+            return ()
+        return stages_from_counts(self.layers) if self.layers else even_stages(n_layers, self.pp)
+
+    def micro_batch_count(self) -> int:
+        """The micro-batches to use: as given, or one per stage capped by the batch."""
+        if self.pp == 1:
+            return 1
+        return self.micro_batches or auto_micro_batches(len(self.prompts), self.pp)
 
 
 def weight_bytes(args: ModelArgs, dtype: str) -> int:
@@ -64,13 +89,37 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
     if not 1 <= opts.tp <= args.n_heads:
         raise UserError(f"--tp {opts.tp} is outside 1..{args.n_heads}: this model has {args.n_heads} attention "
                         f"heads and every rank needs at least one; use --tp {min(max(opts.tp, 1), args.n_heads)}")
+    check_stages(opts, args)
     weights = weight_bytes(args, opts.dtype)
-    need = weights + opts.tp * RANK_OVERHEAD_BYTES
+    need = weights + opts.world * RANK_OVERHEAD_BYTES
     have = psutil.virtual_memory().available
     if need > have:
-        raise UserError(f"--tp {opts.tp} needs about {need / 2**30:.1f} GiB ({opts.tp} ranks x "
+        raise UserError(f"{opts.world} ranks need about {need / 2**30:.1f} GiB ({opts.world} ranks x "
                         f"{RANK_OVERHEAD_BYTES / 2**20:.0f} MiB overhead + {weights / 2**30:.1f} GiB "
-                        f"weights) but {have / 2**30:.1f} GiB is available; use a smaller --tp or --dtype bfloat16")
+                        f"weights) but {have / 2**30:.1f} GiB is available; use fewer ranks or --dtype bfloat16")
+
+
+def check_stages(opts: GenerateOptions, args: ModelArgs) -> None:
+    """Raise UserError when --pp, --layers or --micro-batches do not fit the model or the batch."""
+    if not 1 <= opts.pp <= args.n_layers:
+        raise UserError(f"--pp {opts.pp} is outside 1..{args.n_layers}: this model has {args.n_layers} decoder layers "
+                        f"and every stage needs at least one; use --pp {min(max(opts.pp, 1), args.n_layers)}")
+    if opts.layers is not None:
+        shown = ",".join(map(str, opts.layers))
+        if len(opts.layers) != opts.pp:
+            raise UserError(f"--layers {shown} gives {len(opts.layers)} stage(s) but --pp is {opts.pp}; "
+                            f"give one count per stage, e.g. --layers {','.join(map(str, even_counts(args.n_layers, opts.pp)))}")
+        if sum(opts.layers) != args.n_layers or min(opts.layers) < 1:
+            raise UserError(f"--layers {shown} sums to {sum(opts.layers)}; the model has {args.n_layers} decoder layers "
+                            f"and every stage needs at least one, e.g. --layers "
+                            f"{','.join(map(str, even_counts(args.n_layers, opts.pp)))}")
+    if opts.micro_batches is not None:
+        n = len(opts.prompts)
+        if opts.pp == 1:
+            raise UserError("--micro-batches only applies to pipeline parallelism; add --pp 2 or more, or drop it")
+        if not 1 <= opts.micro_batches <= n:
+            raise UserError(f"--micro-batches {opts.micro_batches} is outside 1..{n}: the batch has {n} prompt(s) and "
+                            f"every micro-batch needs at least one; use --micro-batches {min(max(opts.micro_batches, 1), n)}")
 
 
 def resolve(opts: GenerateOptions) -> tuple[Path, Family, ModelArgs]:
@@ -114,23 +163,27 @@ def prepare(opts: GenerateOptions) -> Prepared:
 
 
 def run_generate(job: Prepared, on_token: Callable[[list[int]], None] | None = None) -> tuple[GenerateResult, dict]:
-    """Start `tp` ranks, generate, stop them; returns the result and a JSON-ready summary."""
+    """Start tp x pp ranks, generate, stop them; returns the result and a JSON-ready summary."""
     opts, tok = job.opts, job.tokenizer
-    with LocalEngine(str(job.folder), job.family.name, job.args, tp=opts.tp, dtype=opts.dtype) as engine:
+    stages = opts.stage_layers(job.args.n_layers)
+    m = opts.micro_batch_count()
+    with LocalEngine(str(job.folder), job.family.name, job.args, tp=opts.tp, stage_layers=stages,
+                     dtype=opts.dtype) as engine:
         result = engine.generate(job.prompt_ids, opts.max_new_tokens, opts.sampling, pad_id(tok), on_token=on_token,
-                                 ignore_eos=opts.ignore_eos)
+                                 ignore_eos=opts.ignore_eos, micro_batches=m)
         load_s, ready = engine.load_s, engine.ready
     texts = [tok.decode(t, skip_special_tokens=True) for t in result.token_ids]
     summary = {
-        "model": str(job.folder), "tp": opts.tp, "dtype": opts.dtype,
+        "model": str(job.folder), "tp": opts.tp, "pp": opts.pp, "dtype": opts.dtype,
+        "stages": [list(r) for r in stages] or [[0, job.args.n_layers]], "micro_batches": m,
         "text": texts, "token_ids": result.token_ids,
         "timings": {
             "load_s": load_s,
             "prefill_tokens_per_s": result.prompt_tokens / max(result.prefill_s, 1e-9),
             "decode_tokens_per_s": result.decode_tokens / max(result.decode_s, 1e-9) if result.decode_tokens else None,
         },
-        "ranks": [{"rank": r, "peak_rss_bytes": rep["peak_rss_bytes"], "weight_bytes": ready[r]["weight_bytes"],
-                   "rss_before_load_bytes": ready[r]["rss_before_load_bytes"], "load_s": ready[r]["load_s"],
+        "ranks": [{"rank": r, "stage": r // opts.tp, "tp_rank": r % opts.tp, "peak_rss_bytes": rep["peak_rss_bytes"],
+                   "weight_bytes": ready[r]["weight_bytes"], "rss_before_load_bytes": ready[r]["rss_before_load_bytes"], "load_s": ready[r]["load_s"],
                    "comms": rep["comms"]} for r, rep in enumerate(result.ranks)],
     }
     return result, summary

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardlm.runtime.kvcache import KVCache
-from shardlm.runtime.sampling import SamplingParams, sample
+from shardlm.runtime.sampling import SamplingParams, row_generators, sample
 
 
 @dataclass
@@ -66,45 +66,96 @@ class GenerationStats:
     extra: dict = field(default_factory=dict)
 
 
+class Rows:
+    """Rows of a batch that move through the model together: their mask state, positions and KV cache.
+
+    A whole batch in the plain path; one micro-batch on one stage in the pipelined path.
+    """
+
+    def __init__(self, batch: Batch, layer_ids: list[int], kv_heads: int, max_new_tokens: int, args, dtype):
+        b, s = batch.tokens.shape
+        self.valid = batch.valid  # (b, t): which cache slots hold real tokens
+        self.positions = positions_for(batch.valid)  # (b, s) positions of the tokens about to run
+        self.window = args.sliding_window
+        self.cache = KVCache(layer_ids, b, kv_heads, s + max_new_tokens, args.head_dim, dtype)
+
+    def prefill_mask(self) -> torch.Tensor:
+        """Mask (b, 1, s, s) of the prompt pass."""
+        return attention_mask(self.valid, 0, self.valid.shape[1], self.window)
+
+    def next_token(self) -> torch.Tensor:
+        """Advance to one new token per row; returns its mask (b, 1, 1, t)."""
+        b = self.valid.shape[0]
+        self.positions = self.positions[:, -1:] + 1  # (b, 1)
+        self.valid = torch.cat([self.valid, torch.ones(b, 1, dtype=torch.bool)], dim=1)  # (b, t)
+        return attention_mask(self.valid, self.cache.offset, 1, self.window)
+
+    def forward(self, model: nn.Module, inputs: torch.Tensor, mask: torch.Tensor, last_only: bool = True) -> torch.Tensor:
+        """Run `model` on `inputs` at the current positions and fill the cache."""
+        out = model(inputs, self.positions, mask, self.cache, last_only=last_only)
+        self.cache.advance(inputs.shape[1])
+        return out
+
+
+class Outputs:
+    """Generated tokens per sequence, with end-of-sequence and length limits applied."""
+
+    def __init__(self, batch: int, eos_ids: tuple[int, ...], max_new_tokens: int):
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.done = torch.zeros(batch, dtype=torch.bool)
+        self.eos = torch.tensor(eos_ids or (-1,), dtype=torch.long)
+        self.max_new_tokens = max_new_tokens
+
+    def record(self, start: int, token: torch.Tensor) -> bool:
+        """Append `token` (n,) to rows [start, start+n) that are still running; True when all n are finished."""
+        stop = start + token.shape[0]
+        done = self.done[start:stop]
+        for i in (~done).nonzero().flatten().tolist():
+            self.tokens[start + i].append(int(token[i]))
+        self.done[start:stop] = done | torch.isin(token, self.eos) | \
+            torch.tensor([len(self.tokens[r]) >= self.max_new_tokens for r in range(start, stop)])
+        return bool(self.done[start:stop].all())
+
+    def stream_view(self, start: int, token: torch.Tensor, was_done: torch.Tensor) -> list[int]:
+        """The whole batch's row list for streaming: `token` at rows [start, ...), -1 elsewhere and for finished rows."""
+        out = [-1] * len(self.tokens)
+        for i, t in enumerate(token.tolist()):
+            if not was_done[i]:
+                out[start + i] = t
+        return out
+
+
 @torch.inference_mode()
 def generate(model: nn.Module, batch: Batch, max_new_tokens: int, params: SamplingParams,
-             eos_ids: tuple[int, ...], kv_heads: int, on_token: Callable[[torch.Tensor], None] | None = None,
+             eos_ids: tuple[int, ...], kv_heads: int, on_token: Callable[[list[int]], None] | None = None,
              stats: GenerationStats | None = None) -> list[list[int]]:
     """Generate up to `max_new_tokens` per prompt; returns the new token ids (eos included, then stop).
 
-    `on_token(tokens (b,))` is called after every step (for streaming). Finished rows keep
-    running with their last token until every row is done, and their extra tokens are dropped.
+    `on_token(tokens)` is called after every step (for streaming) with one id per row, -1 for rows
+    already finished. Finished rows keep running with their last token until every row is done,
+    and their extra tokens are dropped.
     """
     stats = stats if stats is not None else GenerationStats()
     args = model.args
-    b, s = batch.tokens.shape
+    b = batch.tokens.shape[0]
     dtype = next(model.parameters()).dtype
-    cache = KVCache(list(range(args.n_layers)), b, kv_heads, s + max_new_tokens, args.head_dim, dtype)
-    gen = torch.Generator().manual_seed(params.seed)
-    valid, positions = batch.valid, positions_for(batch.valid)
+    rows = Rows(batch, list(range(args.n_layers)), kv_heads, max_new_tokens, args, dtype)
+    gens = row_generators(params.seed, b)
+    outputs = Outputs(b, eos_ids, max_new_tokens)
     t0 = time.perf_counter()
-    logits = model(batch.tokens, positions, attention_mask(valid, 0, s, args.sliding_window), cache, last_only=True)
-    cache.advance(s)
+    logits = rows.forward(model, batch.tokens, rows.prefill_mask())
     stats.prefill_s += time.perf_counter() - t0
-    stats.prompt_tokens += int(valid.sum())
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool)
-    eos = torch.tensor(eos_ids or (-1,), dtype=torch.long)
+    stats.prompt_tokens += int(batch.valid.sum())
     t0 = time.perf_counter()
-    for step in range(max_new_tokens):
-        token = sample(logits[:, -1], params, gen)  # (b,)
-        for i in (~done).nonzero().flatten().tolist():
-            out[i].append(int(token[i]))
+    while True:
+        token = sample(logits[:, -1], params, gens)  # (b,)
+        was_done = outputs.done.clone()
+        finished = outputs.record(0, token)
         if on_token is not None:
-            on_token(torch.where(done, torch.full_like(token, -1), token))
-        done = done | torch.isin(token, eos)
-        if bool(done.all()) or step == max_new_tokens - 1:
+            on_token(outputs.stream_view(0, token, was_done))
+        if finished:
             break
-        positions = positions[:, -1:] + 1  # (b, 1)
-        valid = torch.cat([valid, torch.ones(b, 1, dtype=torch.bool)], dim=1)  # (b, t)
-        mask = attention_mask(valid, cache.offset, 1, args.sliding_window)
-        logits = model(token[:, None], positions, mask, cache, last_only=True)
-        cache.advance(1)
+        logits = rows.forward(model, token[:, None], rows.next_token())
         stats.decode_tokens += b
     stats.decode_s += time.perf_counter() - t0
-    return out
+    return outputs.tokens

@@ -1,9 +1,11 @@
 """The rank process: join the group, build this rank's model, serve generate requests until told to stop.
 
-Rank 0 takes requests from the driver's queue and broadcasts them to the other ranks; every rank
-runs the same steps (collectives inside the model keep them in lock-step) and samples the same
-token from identical logits with the same seed. Rank 0 streams tokens back; every rank reports
-its stats, so the driver can check that all ranks produced the same tokens.
+Rank 0 takes requests from the driver's queue and broadcasts them to the other ranks. Without
+pipeline stages every rank runs the same steps (collectives inside the model keep them in
+lock-step) and samples the same token from identical logits with the same seed. With stages,
+`pipeline_step` moves micro-batches between them. Rank 0 (first stage) streams tokens back; every
+rank reports its stats, and the ranks that know the tokens report them, so the driver can check
+that they agree.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from shardlm.checkpoint.source import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError
 from shardlm.models.registry import FAMILIES
 from shardlm.parallel.context import ParallelContext
+from shardlm.parallel.pipeline import StageSpec, pipeline_context
 from shardlm.runtime.load import build_rank_model, shard_coord
 from shardlm.runtime.sampling import SamplingParams
+from shardlm.runtime.pipeline_step import pipeline_generate
 from shardlm.runtime.step import Batch, GenerationStats, generate
 
 
@@ -46,6 +50,15 @@ class WorkerConfig:
     shm_bytes: int
     """Slot size of the shared-memory transport for same-host collectives; 0 uses gloo only."""
     timeout_s: float
+    tp: int = 0
+    """Ranks per pipeline stage (0: all ranks form one tensor-parallel group)."""
+    stage_layers: tuple = ()
+    """[start, stop) decoder layers of each pipeline stage; empty: one stage with every layer."""
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages."""
+        return max(1, len(self.stage_layers))
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,8 @@ class Request:
     sampling: SamplingParams
     pad_id: int = 0
     ignore_eos: bool = False
+    micro_batches: int = 1
+    """Micro-batches in flight through the pipeline stages (1 without pipeline parallelism)."""
 
 
 def _die_with_parent() -> None:
@@ -97,16 +112,11 @@ def rank_main(cfg: WorkerConfig, requests, results) -> None:
         os._exit(1)
 
 
-def _setup(cfg: WorkerConfig):
+def _setup(cfg: WorkerConfig) -> ParallelContext:
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=cfg.rank,
                             world_size=cfg.world, timeout=timedelta(seconds=cfg.timeout_s))
-    shm = None
-    if cfg.shm_bytes > 0 and cfg.world > 1:
-        from shardlm.parallel.shm import ShmCollectives
-
-        shm = ShmCollectives.from_group(dist.group.WORLD, cfg.shm_bytes, timeout_s=cfg.timeout_s)
-    return ParallelContext(rank=cfg.rank, world=cfg.world, shm=shm)
+    return pipeline_context(cfg.rank, cfg.tp or cfg.world, cfg.pp, cfg.shm_bytes, cfg.timeout_s)
 
 
 def _serve(cfg: WorkerConfig, requests, results) -> None:
@@ -115,8 +125,9 @@ def _serve(cfg: WorkerConfig, requests, results) -> None:
     rss_before = psutil.Process().memory_info().rss
     family = FAMILIES[cfg.family]
     args = ModelArgs.from_dict(cfg.args)
-    coord = shard_coord(args, cfg.rank, cfg.world)
-    model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype))
+    coord = shard_coord(args, ctx.rank, ctx.world)
+    stage = StageSpec.of(cfg.stage_layers, ctx.pipe.stage) if ctx.pipe is not None else None
+    model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), stage=stage)
     kv_heads = coord.local_kv_heads()
     dist.barrier()
     weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -138,10 +149,13 @@ def _serve(cfg: WorkerConfig, requests, results) -> None:
 
 def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, results) -> None:
     stats = GenerationStats()
-    on_token = (lambda tok: results.put(("token", 0, tok.tolist()))) if rank == 0 else None
-    args = model.args
-    out = generate(model, Batch.from_lists(req.prompts, req.pad_id), req.max_new_tokens, req.sampling,
-                   () if req.ignore_eos else args.eos_token_ids, kv_heads, on_token=on_token, stats=stats)
+    on_token = (lambda tokens: results.put(("token", 0, tokens))) if rank == 0 else None
+    batch, eos = Batch.from_lists(req.prompts, req.pad_id), () if req.ignore_eos else model.args.eos_token_ids
+    if ctx.pipe is None:
+        out = generate(model, batch, req.max_new_tokens, req.sampling, eos, kv_heads, on_token=on_token, stats=stats)
+    else:
+        out = pipeline_generate(model, ctx, batch, req.max_new_tokens, req.sampling, eos, kv_heads,
+                                req.micro_batches, on_token=on_token, stats=stats)
     report: dict[str, Any] = {
         "tokens": out, "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
         "prompt_tokens": stats.prompt_tokens, "decode_tokens": stats.decode_tokens,

@@ -1,0 +1,78 @@
+"""`shardlm generate --pp` as a user runs it: parity, stage ranges from flags and manifests, bad input, a killed stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from conftest import hf_model
+from refs import hf_logits_and_tokens
+from test_cli import SHARDLM, _assert_all_gone, _rank_pids, run_cli
+
+
+def test_uneven_stages_with_micro_batches_match_transformers(bundled_dir):
+    from transformers import AutoTokenizer
+
+    prompts = ["The capital of France is", "Write a haiku about the sea. The first line:", "2+2="]
+    res = run_cli("generate", *prompts, "--pp", "2", "--layers", "20,10", "--micro-batches", "2",
+                  "--max-new-tokens", "10", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["pp"] == 2 and out["stages"] == [[0, 20], [20, 30]] and out["micro_batches"] == 2
+    assert [(r["rank"], r["stage"]) for r in out["ranks"]] == [(0, 0), (1, 1)]
+    assert all(r["comms"]["send"]["calls"] > 0 and r["comms"]["recv"]["calls"] > 0 for r in out["ranks"])
+    ids = [AutoTokenizer.from_pretrained(bundled_dir)(p)["input_ids"] for p in prompts]
+    _, ref = hf_logits_and_tokens(hf_model(bundled_dir), ids, 10)
+    for ours, theirs in zip(out["token_ids"], ref):
+        cut = theirs.index(2) + 1 if 2 in theirs else len(theirs)
+        assert ours == theirs[:cut]
+
+
+def test_manifest_stage_ranges_are_honoured(tmp_path):
+    manifest = tmp_path / "m.yaml"
+    res = run_cli("plan", "smollm2-135m", "--devices", "2xcpu-4GB", "--pp", "2", "-o", str(manifest))
+    assert res.returncode == 0, res.stderr
+    stages = [s["layers"] for s in yaml.safe_load(manifest.read_text())["stages"]]
+    res = run_cli("generate", "The capital of France is", "--manifest", str(manifest), "--max-new-tokens", "4",
+                  "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["pp"] == 2 and out["stages"] == stages and "Paris" in out["text"][0]
+    bad = run_cli("generate", "x", "--manifest", str(manifest), "--pp", "3")
+    assert bad.returncode == 2 and "--pp contradicts" in bad.stderr and "parallelism.pipeline: 2" in bad.stderr
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--pp", "31"], "use --pp 30"),
+    (["--pp", "2", "--layers", "20,20"], "sums to 40"),
+    (["--pp", "2", "--layers", "10,10,10"], "gives 3 stage(s) but --pp is 2"),
+    (["--pp", "2", "--layers", "20,x"], "comma-separated"),
+    (["--pp", "2", "--micro-batches", "3"], "use --micro-batches 1"),
+    (["--micro-batches", "2"], "only applies to pipeline parallelism"),
+])
+def test_bad_stage_flags_are_one_line_exit_2(args, expect):
+    res = run_cli("generate", "x", *args)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert expect in " ".join(res.stderr.split()), res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_killed_stage_ends_the_run_with_a_clear_error():
+    proc = subprocess.Popen(SHARDLM + ["generate", "Tell me a very long story.", "--pp", "2", "--max-new-tokens",
+                                       "4000", "--ignore-eos"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc.stdout.read(1)  # the first streamed character: both stages are loaded and generating
+    pids = _rank_pids(proc, 2)
+    os.kill(pids[-1], signal.SIGKILL)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 15
+    assert proc.returncode == 1
+    assert "died with signal 9" in err, err
+    _assert_all_gone(pids)
