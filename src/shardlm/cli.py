@@ -161,7 +161,7 @@ def _from_manifest(path: str, opts: GenerateOptions, given: dict[str, bool]) -> 
         _fail(str(e))
 
 
-from shardlm import cli_plan  # noqa: E402,F401  (registers inspect, plan, validate)
+from shardlm import cli_ckpt, cli_plan  # noqa: E402,F401  (register the planner and checkpoint commands)
 
 if __name__ == "__main__":
     from shardlm.cli import app as registered  # the importable module carries the registered sub-commands

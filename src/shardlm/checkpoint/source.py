@@ -88,3 +88,43 @@ class CheckpointSource:
             return self._handle(name).read(name, slices)
         except SafetensorsError as e:
             raise CheckpointError(str(e)) from e
+
+
+class RankFilesSource(CheckpointSource):
+    """One rank's own files in a sharded checkpoint (`shardlm shard`): each tensor holds the rank's slice.
+
+    `shape` reports the full tensor's shape and `read` checks that the slice asked for is the one
+    stored, so the loader treats it exactly like an ordinary checkpoint and a layout mismatch is
+    caught tensor by tensor.
+    """
+
+    def __init__(self, folder: Path, rank: int):
+        from shardlm.checkpoint.sharded import read_rank_index
+
+        self.root = Path(folder)
+        rank_dir, self.slices = read_rank_index(self.root, rank)
+        super().__init__(rank_dir)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Full shape of tensor `name` in the source checkpoint."""
+        if name not in self.slices:
+            raise CheckpointError(f"{self.folder} lacks tensor {name!r} that this rank needs: the per-rank files were "
+                                  "written for a different layout; reshard them with `shardlm reshard` for this plan")
+        return tuple(self.slices[name]["shape"])
+
+    def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """The stored slice of `name`, which must be exactly `slices`."""
+        stored = [tuple(r) for r in self.slices[name]["slices"]]
+        wanted = [(s.start, s.stop) for s in slices]
+        if stored != wanted:
+            raise CheckpointError(f"{self.files.get(name, self.folder)} holds slice {stored} of tensor {name!r} but this "
+                                  f"rank needs {wanted}: the files were written for a different layout; reshard them "
+                                  "with `shardlm reshard` for this plan")
+        return super().read(name, tuple(slice(0, b - a) for a, b in stored))
+
+
+def open_source(folder: Path, rank: int) -> CheckpointSource:
+    """The checkpoint source for global `rank`: its own files in a sharded checkpoint, else the whole checkpoint."""
+    from shardlm.checkpoint.sharded import is_sharded
+
+    return RankFilesSource(folder, rank) if is_sharded(folder) else CheckpointSource(folder)

@@ -10,6 +10,7 @@ import psutil
 
 from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
+from shardlm.checkpoint.sharded import check_layout, is_sharded
 from shardlm.checkpoint.source import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
 from shardlm.models.inventory import parameter_count
@@ -150,7 +151,10 @@ def prepare(opts: GenerateOptions) -> Prepared:
     folder, family, args = resolve(opts)
     check_request(opts, family, args)
     try:
-        check_checkpoint(folder, family, args)
+        if is_sharded(folder):
+            check_layout(folder, opts.tp, opts.stage_layers(args.n_layers), args.n_layers)
+        else:
+            check_checkpoint(folder, family, args)
         tok = load_tokenizer(folder)
         ids = encode_prompts(tok, opts.prompts, opts.chat)
     except (ModelConfigError, CheckpointError) as e:

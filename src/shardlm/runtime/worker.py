@@ -127,7 +127,8 @@ def _serve(cfg: WorkerConfig, requests, results) -> None:
     args = ModelArgs.from_dict(cfg.args)
     coord = shard_coord(args, ctx.rank, ctx.world)
     stage = StageSpec.of(cfg.stage_layers, ctx.pipe.stage) if ctx.pipe is not None else None
-    model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), stage=stage)
+    model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), stage=stage,
+                             rank=cfg.rank)
     kv_heads = coord.local_kv_heads()
     dist.barrier()
     weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))

@@ -1,0 +1,200 @@
+"""shard, reshard, consolidate, convert: stream a checkpoint into per-rank files or size-capped HF shards.
+
+Every operation reads one tensor slice at a time from an `open_reader` source (an ordinary
+checkpoint or per-rank files) and writes it with `writer.write_group`, so the model is never held
+in memory. Output goes into the target folder under temporary names; the commit record (the index
+for an HF folder, shardlm.json for per-rank files) is written last, so an interrupted run leaves
+no checkpoint there, never a partial one that loads.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from shardlm.atomic import atomic_file
+from shardlm.checkpoint.reads import param_reads, rank_meta_model
+from shardlm.checkpoint.readers import open_reader, source_identity
+from shardlm.checkpoint.sharded import INFO_NAME, ShardedInfo, rank_dir_name
+from shardlm.checkpoint.source import CheckpointError
+from shardlm.checkpoint.writer import INDEX_NAME, TMP_MARK, Entry, tmp_name, write_group
+from shardlm.models.args import read_config
+from shardlm.models.registry import args_for_config, require_runnable
+from shardlm.parallel.pipeline import StageSpec
+from shardlm.parallel.tensor import ShardCoord
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclass
+class WriteStats:
+    """What one operation wrote and how long it took."""
+
+    bytes_written: int = 0
+    files: int = 0
+    seconds: float = 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        """Throughput in MB/s (10^6 bytes)."""
+        return self.bytes_written / 1e6 / max(self.seconds, 1e-9)
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _ours(path: Path) -> bool:
+    """Files and folders a shardlm writer puts in an output folder (what --overwrite may remove)."""
+    n = path.name
+    return (n == INFO_NAME or n == INDEX_NAME or n.endswith(".safetensors") or TMP_MARK in n
+            or (path.is_dir() and n.startswith("rank-")))
+
+
+def prepare_output(out: Path, source: Path, overwrite: bool) -> None:
+    """Create `out`, refusing a non-empty folder unless `overwrite` (then its checkpoint is removed, commit record first)."""
+    out, source = Path(out).resolve(), Path(source).resolve()
+    if out == source or source in out.parents or out in source.parents:
+        raise CheckpointError(f"the output folder {out} overlaps the input {source}; write to a separate folder")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file, not a folder; choose another output path")
+    entries = list(out.iterdir()) if out.exists() else []
+    if entries and not overwrite:
+        raise CheckpointError(f"the output folder {out} is not empty ({len(entries)} entries); choose an empty or new "
+                              "folder, or pass --overwrite to replace the checkpoint in it")
+    for commit in (out / INFO_NAME, out / INDEX_NAME):
+        commit.unlink(missing_ok=True)  # first: from here on the folder holds no checkpoint until the new one commits
+    for p in entries:
+        if p.exists() and _ours(p):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def copy_model_files(source: Path, out: Path) -> None:
+    """Copy config.json, tokenizer and other non-weight files from the source root (each atomically)."""
+    for f in sorted(Path(source).iterdir()):
+        if not f.is_file() or f.name in (INFO_NAME, INDEX_NAME) or f.name.startswith("."):
+            continue
+        if f.suffix in WEIGHT_SUFFIXES or f.name.endswith(".index.json"):
+            continue
+        dst = out / f.name
+        tmp = tmp_name(dst)
+        shutil.copyfile(f, tmp)
+        os.replace(tmp, dst)
+
+
+@contextmanager
+def _progress(total: int, label: str, show: bool) -> Iterator[Callable[[int], None]]:
+    if not show:
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _out_dtype(dtype: str | None, stored: torch.dtype) -> torch.dtype:
+    if dtype is None or not stored.is_floating_point:
+        return stored
+    return getattr(torch, dtype)
+
+
+def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int], ...], max_bytes: int,
+          dtype: str | None = None, overwrite: bool = False, progress: bool = True) -> WriteStats:
+    """Write per-rank files for tp x len(stage_layers) ranks from `source` (ordinary or per-rank files)."""
+    source, out = Path(source), Path(out)
+    family, args = args_for_config(read_config(source))
+    require_runnable(family, args)
+    stage_layers = tuple(stage_layers) or ((0, args.n_layers),)
+    pp = len(stage_layers)
+    reader = open_reader(source)
+    try:
+        plans = []
+        for rank in range(tp * pp):
+            stage, tp_rank = divmod(rank, tp)
+            coord = ShardCoord.for_model(args, tp_rank, tp)
+            spec = StageSpec.of(stage_layers, stage) if pp > 1 else None
+            reads = [r for _, r in param_reads(rank_meta_model(family, args, coord, spec), family, coord, reader.shape)]
+            plans.append((rank, stage, tp_rank, reads))
+        _check_shapes(source, family, args, reader)
+        prepare_output(out, source, overwrite)
+        copy_model_files(source, out)
+        total = sum(Entry(r.name, _out_dtype(dtype, reader.dtype(r.name)), r.local_shape, None).nbytes
+                    for p in plans for r in p[3])
+        stats, t0, ranks = WriteStats(), time.perf_counter(), []
+        with _progress(total, f"sharding for tp {tp} x pp {pp}", progress) as advance:
+            for rank, stage, tp_rank, reads in plans:
+                entries = [Entry(r.name, _out_dtype(dtype, reader.dtype(r.name)), r.local_shape,
+                                 lambda r=r: reader.read(r.name, r.slices)) for r in reads]
+                meta = {"shardlm_slices": {r.name: {"shape": list(r.shape), "slices": r.ranges()} for r in reads}}
+                files = write_group(out / rank_dir_name(rank), entries, max_bytes, meta, advance)
+                ranks.append({"rank": rank, "stage": stage, "tp_rank": tp_rank, "dir": rank_dir_name(rank),
+                              "files": files})
+                stats.bytes_written += sum(f["bytes"] for f in files.values())
+                stats.files += len(files)
+        info = ShardedInfo(tp, stage_layers, dtype or "as-stored",
+                           {"path": str(source.resolve()), "identity": source_identity(source, reader),
+                            "written": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}, ranks)
+        with atomic_file(out / INFO_NAME) as f:
+            json.dump(info.to_json(), f, indent=1)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+    finally:
+        reader.close()
+
+
+def write_whole(source: Path, out: Path, max_bytes: int, dtype: str | None = None, overwrite: bool = False,
+                progress: bool = True, label: str = "writing") -> WriteStats:
+    """Write the whole model from `source` (ordinary or per-rank files) as size-capped HF shards + index.
+
+    The index metadata records each file's sha256 (`shardlm_sha256`) for `shardlm verify`.
+    """
+    source, out = Path(source), Path(out)
+    family, args = args_for_config(read_config(source))
+    reader = open_reader(source)
+    try:
+        names = sorted(reader.names(), key=_natural)
+        _check_shapes(source, family, args, reader)
+        prepare_output(out, source, overwrite)
+        copy_model_files(source, out)
+        entries = [Entry(n, _out_dtype(dtype, reader.dtype(n)), reader.shape(n),
+                         lambda n=n: reader.read(n, tuple(slice(0, d) for d in reader.shape(n)))) for n in names]
+        stats, t0 = WriteStats(), time.perf_counter()
+        with _progress(sum(e.nbytes for e in entries), label, progress) as advance:
+            files = write_group(out, entries, max_bytes, None, advance, checksums_in_index=True)
+        stats.bytes_written = sum(f["bytes"] for f in files.values())
+        stats.files = len(files)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+    finally:
+        reader.close()
+
+
+def _check_shapes(source: Path, family, args, reader) -> None:
+    """Refuse a source whose tensors contradict config.json or lack one the model needs (headers only)."""
+    coord = ShardCoord.for_model(args, 0, 1)
+    model = rank_meta_model(family, args, coord, None)
+    tied = model.tied_weight_names()
+    have = set(reader.names())
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in tied:
+            continue
+        ck = family.checkpoint_name(name)
+        if ck not in have:
+            raise CheckpointError(f"{source} lacks tensor {ck!r} that the model needs; the checkpoint is incomplete")
+        if tuple(reader.shape(ck)) != tuple(param.shape):
+            raise CheckpointError(f"tensor {ck!r} in {source} has shape {list(reader.shape(ck))} but config.json "
+                                  f"implies {list(param.shape)}; the weights and config.json come from different models")

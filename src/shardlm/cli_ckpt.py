@@ -1,0 +1,171 @@
+"""`shardlm shard`, `reshard`, `consolidate`, `convert`, `verify`: checkpoint commands (registered on the main app)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from shardlm.cli import _fail, app
+from shardlm.checkpoint.source import CheckpointError
+from shardlm.hardware import HardwareError, parse_size
+from shardlm.models.args import ModelConfigError
+
+out = Console()
+SIZE_HELP = "Largest data file, e.g. 2GB or 500MB (GB means GiB)."
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _model_folder(model: str) -> Path:
+    from shardlm import bundled
+
+    try:
+        return Path(bundled.resolve_model(model))
+    except bundled.BundledModelError as e:
+        _fail(str(e))
+
+
+def _size(text: str) -> int:
+    try:
+        n = parse_size(text)
+    except HardwareError as e:
+        _fail(f"--max-shard-size: {e}")
+    if n < 2**20:
+        _fail(f"--max-shard-size {text} is below 1MB; use e.g. 500MB or 2GB")
+    return n
+
+
+def _dtype(dtype: Optional[str]) -> Optional[str]:
+    if dtype is not None and dtype not in DTYPES:
+        _fail(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def _layout_from_manifest(path: str) -> tuple[int, tuple[tuple[int, int], ...]]:
+    from shardlm.manifest import ManifestError, read_manifest
+
+    try:
+        plan = read_manifest(path)
+    except ManifestError as e:
+        _fail(str(e))
+    lay = plan.layout
+    return lay.tp, tuple(lay.stage_layers)
+
+
+def _done(stats, what: str, dest: str) -> None:
+    out.print(f"{what}: {stats.files} files, {stats.bytes_written / 1e6:.0f} MB in {stats.seconds:.1f} s "
+              f"({stats.mb_per_s:.0f} MB/s) -> {dest}; check it with `shardlm verify {dest}`", highlight=False)
+
+
+def _run(fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except (CheckpointError, ModelConfigError) as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"{e.strerror or e}: {e.filename or ''}; nothing was committed (no index or shardlm.json written)")
+
+
+@app.command()
+def shard(model: str = typer.Argument(..., help="Model folder (or smollm2-135m for the bundled model), ordinary or per-rank files."),
+          manifest: str = typer.Option(..., "--manifest", help="Plan whose ranks get files (from `shardlm plan`)."),
+          output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
+          max_shard_size: str = typer.Option("2GB", help=SIZE_HELP),
+          dtype: Optional[str] = typer.Option(None, help="Store weights as float32, bfloat16 or float16 (default: as stored)."),
+          overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+          as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """Write per-rank safetensors files for a plan: each rank's slices (TP and PP), size-capped, indexed."""
+    from shardlm.checkpoint.shard import shard as do_shard
+
+    tp, stages = _layout_from_manifest(manifest)
+    stats = _run(do_shard, _model_folder(model), Path(output), tp, stages, _size(max_shard_size), _dtype(dtype),
+                 overwrite, not as_json)
+    _report(stats, "sharded", output, as_json)
+
+
+@app.command()
+def reshard(source: str = typer.Argument(..., help="Per-rank files written by `shardlm shard`."),
+            manifest: str = typer.Option(..., "--manifest", help="The new plan."),
+            output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
+            max_shard_size: str = typer.Option("2GB", help=SIZE_HELP),
+            overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+            as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """Rewrite per-rank files for another plan, one tensor slice at a time (no consolidated copy in memory)."""
+    from shardlm.checkpoint.sharded import is_sharded
+    from shardlm.checkpoint.shard import shard as do_shard
+
+    if not is_sharded(Path(source)):
+        _fail(f"{source} holds no per-rank files (no shardlm.json); use `shardlm shard {source} --manifest ...`")
+    tp, stages = _layout_from_manifest(manifest)
+    stats = _run(do_shard, Path(source), Path(output), tp, stages, _size(max_shard_size), None, overwrite, not as_json)
+    _report(stats, "resharded", output, as_json)
+
+
+@app.command()
+def consolidate(source: str = typer.Argument(..., help="Per-rank files written by `shardlm shard`."),
+                output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
+                max_shard_size: str = typer.Option("2GB", help=SIZE_HELP),
+                dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: as stored)."),
+                overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+                as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """Join per-rank files back into a standard Hugging Face checkpoint (size-capped shards + index)."""
+    from shardlm.checkpoint.sharded import is_sharded
+    from shardlm.checkpoint.shard import write_whole
+
+    if not is_sharded(Path(source)):
+        _fail(f"{source} holds no per-rank files (no shardlm.json); it is already an ordinary checkpoint "
+              "(use `shardlm convert` to re-cap its files)")
+    stats = _run(write_whole, Path(source), Path(output), _size(max_shard_size), _dtype(dtype), overwrite,
+                 not as_json, "consolidating")
+    _report(stats, "consolidated", output, as_json)
+
+
+@app.command()
+def convert(model: str = typer.Argument(..., help="Hugging Face model folder (or smollm2-135m for the bundled model)."),
+            output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
+            max_shard_size: str = typer.Option("1GB", help=SIZE_HELP),
+            dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: as stored)."),
+            overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+            as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """Rewrite a checkpoint as size-capped safetensors shards with an index (what Accelerate's save_model does)."""
+    from shardlm.checkpoint.shard import write_whole
+
+    stats = _run(write_whole, _model_folder(model), Path(output), _size(max_shard_size), _dtype(dtype), overwrite,
+                 not as_json, "converting")
+    _report(stats, "converted", output, as_json)
+
+
+@app.command()
+def verify(folder: str = typer.Argument(..., help="A checkpoint written by shard, reshard, consolidate or convert."),
+           no_checksums: bool = typer.Option(False, "--no-checksums", help="Skip the sha256 of every file (headers, sizes and coverage only)."),
+           as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """Check headers, sizes, checksums and that every tensor slice the plan needs is there; exit 2 if not."""
+    from shardlm.checkpoint.verify import verify as do_verify
+
+    rep = do_verify(folder, checksums=not no_checksums)
+    if as_json:
+        print(json.dumps({"folder": rep.folder, "kind": rep.kind, "ok": rep.ok, "problems": rep.problems,
+                          "files": rep.files, "bytes": rep.bytes, "tensors": rep.tensors}))
+    elif rep.ok:
+        out.print(f"ok: {folder}: {rep.kind}; {rep.files} files, {rep.bytes / 1e6:.0f} MB, {rep.tensors or 'all'} "
+                  f"tensor slices checked{'' if no_checksums else ', sha256 match'}", highlight=False)
+    else:
+        from rich.markup import escape
+
+        for p in rep.problems[:20]:
+            out.print(f"[bold red]problem:[/] {escape(p)}", highlight=False, soft_wrap=True)
+        if len(rep.problems) > 20:
+            out.print(f"... and {len(rep.problems) - 20} more")
+    if not rep.ok:
+        raise typer.Exit(2)
+
+
+def _report(stats, what: str, dest: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"output": dest, "files": stats.files, "bytes": stats.bytes_written, "seconds": stats.seconds,
+                          "mb_per_s": stats.mb_per_s}))
+    else:
+        _done(stats, what, dest)
