@@ -44,7 +44,10 @@ def _dtype(dtype: Optional[str]) -> Optional[str]:
     return dtype
 
 
-def _layout_from_manifest(path: str) -> tuple[int, tuple[tuple[int, int], ...]]:
+def _layout_from_manifest(path: str) -> tuple[int, tuple[tuple[int, int], ...], dict]:
+    """tp, stage ranges and the parsed document of a manifest (exits with its error when it is malformed)."""
+    import yaml
+
     from shardlm.manifest import ManifestError, read_manifest
 
     try:
@@ -52,7 +55,7 @@ def _layout_from_manifest(path: str) -> tuple[int, tuple[tuple[int, int], ...]]:
     except ManifestError as e:
         _fail(str(e))
     lay = plan.layout
-    return lay.tp, tuple(lay.stage_layers)
+    return lay.tp, tuple(lay.stage_layers), yaml.safe_load(Path(path).read_text())
 
 
 def _done(stats, what: str, dest: str) -> None:
@@ -80,9 +83,9 @@ def shard(model: str = typer.Argument(..., help="Model folder (or smollm2-135m f
     """Write per-rank safetensors files for a plan: each rank's slices (TP and PP), size-capped, indexed."""
     from shardlm.checkpoint.shard import shard as do_shard
 
-    tp, stages = _layout_from_manifest(manifest)
+    tp, stages, doc = _layout_from_manifest(manifest)
     stats = _run(do_shard, _model_folder(model), Path(output), tp, stages, _size(max_shard_size), _dtype(dtype),
-                 overwrite, not as_json)
+                 overwrite, not as_json, doc)
     _report(stats, "sharded", output, as_json)
 
 
@@ -99,8 +102,9 @@ def reshard(source: str = typer.Argument(..., help="Per-rank files written by `s
 
     if not is_sharded(Path(source)):
         _fail(f"{source} holds no per-rank files (no shardlm.json); use `shardlm shard {source} --manifest ...`")
-    tp, stages = _layout_from_manifest(manifest)
-    stats = _run(do_shard, Path(source), Path(output), tp, stages, _size(max_shard_size), None, overwrite, not as_json)
+    tp, stages, doc = _layout_from_manifest(manifest)
+    stats = _run(do_shard, Path(source), Path(output), tp, stages, _size(max_shard_size), None, overwrite, not as_json,
+                 doc)
     _report(stats, "resharded", output, as_json)
 
 

@@ -92,6 +92,8 @@ def test_generate_from_per_rank_files_matches_slicing(tmp_path):
     manifest = _manifest(tmp_path, "pp2", "2xcpu-4GB", 1, 2, model="smollm2-135m")
     res = run_cli("shard", "smollm2-135m", "--manifest", str(manifest), "-o", str(tmp_path / "ranks"))
     assert res.returncode == 0, res.stderr
+    recorded = json.loads((tmp_path / "ranks" / INFO_NAME).read_text())
+    assert recorded["plan"]["parallelism"]["pipeline"] == 2 and recorded["layout"]["pp"] == 2
     res = run_cli("verify", str(tmp_path / "ranks"))
     assert res.returncode == 0 and "ok:" in res.stdout, res.stdout + res.stderr
     args = ["generate", "The capital of France is", "--manifest", str(manifest), "--max-new-tokens", "6", "--json"]

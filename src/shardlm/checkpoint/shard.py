@@ -113,8 +113,12 @@ def _out_dtype(dtype: str | None, stored: torch.dtype) -> torch.dtype:
 
 
 def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int], ...], max_bytes: int,
-          dtype: str | None = None, overwrite: bool = False, progress: bool = True) -> WriteStats:
-    """Write per-rank files for tp x len(stage_layers) ranks from `source` (ordinary or per-rank files)."""
+          dtype: str | None = None, overwrite: bool = False, progress: bool = True,
+          plan: dict | None = None) -> WriteStats:
+    """Write per-rank files for tp x len(stage_layers) ranks from `source` (ordinary or per-rank files).
+
+    `plan` (the manifest as parsed YAML) is recorded in shardlm.json beside the layout.
+    """
     source, out = Path(source), Path(out)
     family, args = args_for_config(read_config(source))
     require_runnable(family, args)
@@ -147,7 +151,7 @@ def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int],
                 stats.files += len(files)
         info = ShardedInfo(tp, stage_layers, dtype or "as-stored",
                            {"path": str(source.resolve()), "identity": source_identity(source, reader),
-                            "written": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}, ranks)
+                            "written": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}, ranks, plan)
         with atomic_file(out / INFO_NAME) as f:
             json.dump(info.to_json(), f, indent=1)
         stats.seconds = time.perf_counter() - t0

@@ -51,6 +51,8 @@ class ShardedInfo:
     source: dict
     ranks: list[dict]
     """Per rank: {"rank", "stage", "tp_rank", "dir", "files": {name: {"bytes", "sha256"}}}."""
+    plan: dict | None = None
+    """The manifest the files were written for (as parsed YAML), when one was given."""
 
     @property
     def pp(self) -> int:
@@ -66,7 +68,7 @@ class ShardedInfo:
         """The shardlm.json document."""
         return {"format": FORMAT, "version": VERSION, "layout": {"tp": self.tp, "pp": self.pp,
                 "stage_layers": [list(r) for r in self.stage_layers]}, "dtype": self.dtype,
-                "source": self.source, "ranks": self.ranks}
+                "source": self.source, "plan": self.plan, "ranks": self.ranks}
 
 
 def read_info(folder: Path) -> ShardedInfo:
@@ -84,7 +86,7 @@ def read_info(folder: Path) -> ShardedInfo:
                                   f"{VERSION}); rewrite it with this version's `shardlm reshard`")
         lay = doc["layout"]
         return ShardedInfo(int(lay["tp"]), tuple((int(a), int(b)) for a, b in lay["stage_layers"]), str(doc["dtype"]),
-                           dict(doc["source"]), list(doc["ranks"]))
+                           dict(doc["source"]), list(doc["ranks"]), doc.get("plan"))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         if isinstance(e, CheckpointError):
             raise
