@@ -132,8 +132,9 @@ def _rank_pids(proc: subprocess.Popen, n: int, timeout: float = 90) -> list[int]
     raise AssertionError(f"ranks did not start within {timeout} s")
 
 
-def _start_long_run(tp: int) -> subprocess.Popen:
-    proc = subprocess.Popen(SHARDLM + ["generate", "Tell me a very long story.", "--tp", str(tp),
+def _start_long_run(*layout: str) -> subprocess.Popen:
+    """A long generate with `layout` flags (e.g. "--tp", "2"), once it streams its first character."""
+    proc = subprocess.Popen(SHARDLM + ["generate", "Tell me a very long story.", *layout,
                                        "--max-new-tokens", "4000", "--ignore-eos"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     proc.stdout.read(1)  # the first streamed character: every rank is loaded and generating
@@ -149,8 +150,9 @@ def _assert_all_gone(pids: list[int], within: float = 10) -> None:
     raise AssertionError(f"orphan rank processes left: {[p for p in pids if psutil.pid_exists(p)]}")
 
 
-def test_killed_rank_ends_the_run_with_a_clear_error():
-    proc = _start_long_run(tp=2)
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2")])  # a tp rank, or a whole pipeline stage
+def test_killed_rank_ends_the_run_with_a_clear_error(layout):
+    proc = _start_long_run(*layout)
     pids = _rank_pids(proc, 2)
     os.kill(pids[-1], signal.SIGKILL)
     t0 = time.monotonic()
@@ -162,7 +164,7 @@ def test_killed_rank_ends_the_run_with_a_clear_error():
 
 
 def test_ctrl_c_stops_every_rank():
-    proc = _start_long_run(tp=2)
+    proc = _start_long_run("--tp", "2")
     pids = _rank_pids(proc, 2)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group on Ctrl-C
     _, err = proc.communicate(timeout=30)
@@ -172,7 +174,7 @@ def test_ctrl_c_stops_every_rank():
 
 
 def test_killed_driver_leaves_no_orphan_rank():
-    proc = _start_long_run(tp=2)
+    proc = _start_long_run("--tp", "2")
     pids = _rank_pids(proc, 2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)

@@ -5,6 +5,7 @@ Reads only safetensors headers, so the driver can refuse a bad checkpoint before
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -14,23 +15,30 @@ from shardlm.models.args import ModelArgs
 from shardlm.models.registry import Family
 
 
-def check_checkpoint(folder: Path, family: Family, args: ModelArgs) -> None:
-    """Raise CheckpointError naming the file and tensor of the first problems found (up to 5)."""
+def check_checkpoint(folder: Path, family: Family, args: ModelArgs, reader=None) -> None:
+    """Raise CheckpointError naming the file and tensor of the first problems found (up to 5).
+
+    `reader` (anything with `names()` and `shape(name)`, e.g. a per-rank reader) replaces the
+    folder's ordinary checkpoint files as the source of tensor names and shapes.
+    """
     with torch.device("meta"):
         model = family.model_class(args)
     tied = model.tied_weight_names()
     problems: list[str] = []
-    with CheckpointSource(folder) as src:
+    with CheckpointSource(folder) if reader is None else nullcontext(reader) as src:
+        have = set(src.names())
+        files = getattr(src, "files", {})
         for name, param in model.named_parameters(remove_duplicate=False):
             if name in tied:
                 continue
             ck = family.checkpoint_name(name)
-            if ck not in src.files:
+            if ck not in have:
                 problems.append(f"tensor {ck!r} is missing")
                 continue
-            shape = src.shape(ck)
+            shape = tuple(src.shape(ck))
             if shape != tuple(param.shape):
-                problems.append(f"tensor {ck!r} in {src.files[ck].name} has shape {list(shape)} but config.json "
+                where = f" in {files[ck].name}" if ck in files else ""
+                problems.append(f"tensor {ck!r}{where} has shape {list(shape)} but config.json "
                                 f"implies {list(param.shape)}")
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.reader import DTYPES
 from shardlm.checkpoint.sharded import is_sharded, read_info, read_rank_index
 from shardlm.checkpoint.source import CheckpointError, CheckpointSource
 
@@ -35,7 +34,7 @@ class PlainReader:
 
     def dtype(self, name: str) -> torch.dtype:
         """Stored dtype of `name`."""
-        return DTYPES[self.src._handle(name).header[name]["dtype"]]
+        return self.src.dtype(name)
 
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """One slice of `name`."""
@@ -81,9 +80,7 @@ class PerRankReader:
 
     def dtype(self, name: str) -> torch.dtype:
         """Stored dtype of `name`."""
-        rank = self.pieces[name][0][0]
-        src = self._src(rank)
-        return DTYPES[src._handle(name).header[name]["dtype"]]
+        return self._src(self.pieces[name][0][0]).dtype(name)
 
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """The slice of the full tensor `name`, copied together from the pieces that overlap it."""

@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from shardlm.atomic import atomic_file
+from shardlm.checkpoint.check import check_checkpoint
 from shardlm.checkpoint.reads import param_reads, rank_meta_model
 from shardlm.checkpoint.readers import open_reader, source_identity
 from shardlm.checkpoint.sharded import INFO_NAME, ShardedInfo, rank_dir_name
@@ -126,6 +127,7 @@ def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int],
     pp = len(stage_layers)
     reader = open_reader(source)
     try:
+        check_checkpoint(source, family, args, reader)
         plans = []
         for rank in range(tp * pp):
             stage, tp_rank = divmod(rank, tp)
@@ -133,7 +135,6 @@ def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int],
             spec = StageSpec.of(stage_layers, stage) if pp > 1 else None
             reads = [r for _, r in param_reads(rank_meta_model(family, args, coord, spec), family, coord, reader.shape)]
             plans.append((rank, stage, tp_rank, reads))
-        _check_shapes(source, family, args, reader)
         prepare_output(out, source, overwrite)
         copy_model_files(source, out)
         total = sum(Entry(r.name, _out_dtype(dtype, reader.dtype(r.name)), r.local_shape, None).nbytes
@@ -171,7 +172,7 @@ def write_whole(source: Path, out: Path, max_bytes: int, dtype: str | None = Non
     reader = open_reader(source)
     try:
         names = sorted(reader.names(), key=_natural)
-        _check_shapes(source, family, args, reader)
+        check_checkpoint(source, family, args, reader)
         prepare_output(out, source, overwrite)
         copy_model_files(source, out)
         entries = [Entry(n, _out_dtype(dtype, reader.dtype(n)), reader.shape(n),
@@ -185,20 +186,3 @@ def write_whole(source: Path, out: Path, max_bytes: int, dtype: str | None = Non
         return stats
     finally:
         reader.close()
-
-
-def _check_shapes(source: Path, family, args, reader) -> None:
-    """Refuse a source whose tensors contradict config.json or lack one the model needs (headers only)."""
-    coord = ShardCoord.for_model(args, 0, 1)
-    model = rank_meta_model(family, args, coord, None)
-    tied = model.tied_weight_names()
-    have = set(reader.names())
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if name in tied:
-            continue
-        ck = family.checkpoint_name(name)
-        if ck not in have:
-            raise CheckpointError(f"{source} lacks tensor {ck!r} that the model needs; the checkpoint is incomplete")
-        if tuple(reader.shape(ck)) != tuple(param.shape):
-            raise CheckpointError(f"tensor {ck!r} in {source} has shape {list(reader.shape(ck))} but config.json "
-                                  f"implies {list(param.shape)}; the weights and config.json come from different models")

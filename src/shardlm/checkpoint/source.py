@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.reader import SafetensorsError, SafetensorsFile
+from shardlm.checkpoint.reader import DTYPES, SafetensorsError, SafetensorsFile
 
 
 class CheckpointError(ValueError):
@@ -78,9 +78,17 @@ class CheckpointSource:
             raise CheckpointError(f"{path} does not hold tensor {name!r} although the index says it does")
         return handle
 
+    def names(self) -> list[str]:
+        """Every tensor name the checkpoint holds."""
+        return list(self.files)
+
     def shape(self, name: str) -> tuple[int, ...]:
         """Full shape of tensor `name` as recorded in its file header."""
         return self._handle(name).shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Stored dtype of tensor `name`."""
+        return DTYPES[self._handle(name).header[name]["dtype"]]
 
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """Read one slice of tensor `name` (and only that slice)."""

@@ -112,9 +112,10 @@ def _rank_problems(folder: Path, rank_rec: dict, info, family, args, rep: Report
             continue
         fname = weight_map.get(read.name)
         handle = files.get(fname)
-        if handle is None:
-            if fname is None or (rank_dir / fname).is_file() is False:
-                rep.problems.append(f"{where}: tensor {read.name!r} is in no readable file (index names {fname})")
+        if handle is None:  # a file shardlm.json records but that failed its checks is reported already
+            if fname not in rank_rec["files"]:
+                rep.problems.append(f"{where}: the index puts tensor {read.name!r} in {fname}, a file shardlm.json "
+                                    "does not record")
             continue
         if read.name not in handle.header:
             rep.problems.append(f"{rank_dir / fname} lacks tensor {read.name!r} although the index names it")

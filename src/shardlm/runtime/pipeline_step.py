@@ -24,7 +24,7 @@ from torch import nn
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.pipeline import micro_batch_rows
 from shardlm.runtime.sampling import SamplingParams, row_generators, sample
-from shardlm.runtime.step import Batch, GenerationStats, Outputs, Rows
+from shardlm.runtime.step import Batch, GenerationStats, Outputs, Rows, attention_mask, positions_for
 
 PREFILL, DECODE, STOP = 0, 1, 2
 
@@ -138,8 +138,6 @@ def _later_stage(model, ctx, batch, parts, max_new_tokens, params, eos_ids) -> l
 def pipeline_logits(model: nn.Module, ctx: ParallelContext, batch: Batch) -> torch.Tensor | None:
     """One forward pass of the whole padded batch through every stage, no cache: logits
     (b, s, vocab) on the last stage, None elsewhere (for parity checks and scoring)."""
-    from shardlm.runtime.step import attention_mask, positions_for
-
     s = batch.tokens.shape[1]
     positions = positions_for(batch.valid)
     mask = attention_mask(batch.valid, 0, s, model.args.sliding_window)

@@ -16,7 +16,7 @@ from shardlm.models.args import ModelArgs, ModelConfigError, read_config
 from shardlm.models.inventory import parameter_count
 from shardlm.models.registry import Family, args_for_config, require_runnable
 from shardlm.parallel.pipeline import auto_micro_batches, even_stages, stages_from_counts
-from shardlm.parallel.split import split_sizes as even_counts
+from shardlm.parallel.split import split_sizes
 from shardlm.plan.memory import DTYPE_BYTES
 from shardlm.runtime.engine import GenerateResult, LocalEngine
 from shardlm.runtime.sampling import SamplingParams
@@ -109,11 +109,11 @@ def check_stages(opts: GenerateOptions, args: ModelArgs) -> None:
         shown = ",".join(map(str, opts.layers))
         if len(opts.layers) != opts.pp:
             raise UserError(f"--layers {shown} gives {len(opts.layers)} stage(s) but --pp is {opts.pp}; "
-                            f"give one count per stage, e.g. --layers {','.join(map(str, even_counts(args.n_layers, opts.pp)))}")
+                            f"give one count per stage, e.g. --layers {','.join(map(str, split_sizes(args.n_layers, opts.pp)))}")
         if sum(opts.layers) != args.n_layers or min(opts.layers) < 1:
             raise UserError(f"--layers {shown} sums to {sum(opts.layers)}; the model has {args.n_layers} decoder layers "
                             f"and every stage needs at least one, e.g. --layers "
-                            f"{','.join(map(str, even_counts(args.n_layers, opts.pp)))}")
+                            f"{','.join(map(str, split_sizes(args.n_layers, opts.pp)))}")
     if opts.micro_batches is not None:
         n = len(opts.prompts)
         if opts.pp == 1:
