@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -36,8 +37,13 @@ def medium(tmp_path_factory):
 
 
 def _writing(out: Path, pid: int) -> bool:
-    """True once process `pid` has a temporary file in `out` (it names them .NAME.tmp-PID)."""
-    return out.is_dir() and any(out.rglob(f"*.tmp-{pid}"))
+    """True once process `pid` has a temporary file in `out` (it names them .NAME.tmp-PID).
+
+    os.walk skips folders that vanish mid-scan: with --overwrite the process is removing the
+    previous run's files while we look.
+    """
+    suffix = f".tmp-{pid}"
+    return any(name.endswith(suffix) for _, _, names in os.walk(out) for name in names)
 
 
 def _kill_during(cmd: list[str], out: Path, window_s: float, rng: random.Random) -> None:
