@@ -100,7 +100,11 @@ def main() -> None:
     try:
         models = {"SmolLM2-135M (bundled)": default_model_dir(progress=False)}
         say(f"writing a random-weight Llama of about {opts.big_gb} GB...")
-        models[f"random Llama {opts.big_gb:.0f} GB"] = write_random_checkpoint(big_config(opts.big_gb), work / "big")
+        big = write_random_checkpoint(big_config(opts.big_gb), work / "big")
+        for f in models["SmolLM2-135M (bundled)"].iterdir():  # a tokenizer for the prompt (ids < 32000)
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(f, big / f.name)
+        models[f"random Llama {opts.big_gb:.0f} GB"] = big
         disk, cold = disk_read_mb_s(work)
         rows = []
         for label, folder in models.items():

@@ -101,12 +101,19 @@ def generate(
     layers: Optional[str] = typer.Option(None, "--layers", help="Decoder layers per stage, e.g. 20,10 (default: even)."),
     micro_batches: Optional[int] = typer.Option(None, "--micro-batches", help="Micro-batches in flight through the stages (default: one per stage)."),
     manifest: Optional[str] = typer.Option(None, "--manifest", help="Run the plan in this manifest (from `shardlm plan`)."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="Weight-only quantization of linear layers at load: none, int8 (per channel) or int4 (groups of 32)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", help="Weights + read buffers per rank, e.g. 300MB; layers beyond it stream from disk."),
+    offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Folder for streamed layers (default $SHARDLM_HOME/offload)."),
+    no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Read each streamed layer only when it is needed (for comparison)."),
 ) -> None:
     """Generate text on tp x pp ranks spawned on this machine; streams the completion to stdout."""
-    given = {"tp": tp is not None, "pp": pp is not None, "layers": layers is not None}
+    given = {"tp": tp is not None, "pp": pp is not None, "layers": layers is not None,
+             "quantization": quantization is not None}
     opts = GenerateOptions(prompts=prompts, model=model, tp=tp or 1, max_new_tokens=max_new_tokens,
                            sampling=SamplingParams(temperature, top_p, top_k, seed), dtype=dtype, chat=chat,
-                           ignore_eos=ignore_eos, pp=pp or 1, layers=layer_counts(layers), micro_batches=micro_batches)
+                           ignore_eos=ignore_eos, pp=pp or 1, layers=layer_counts(layers), micro_batches=micro_batches,
+                           quantization=None if quantization in (None, "none") else quantization,
+                           memory_budget=_budget(memory_budget), offload_dir=offload_dir, prefetch=not no_prefetch)
     if manifest:
         opts = _from_manifest(manifest, opts, given)
     tp, world = opts.tp, opts.world
@@ -141,6 +148,21 @@ def generate(
               + ", ".join(f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" for r in summary["ranks"]) + "[/]")
 
 
+def _budget(text: str | None) -> int | None:
+    """Parse --memory-budget (e.g. 300MB, 1.5GB); exits with a one-line error for anything else."""
+    if text is None:
+        return None
+    from shardlm.hardware import HardwareError, parse_size
+
+    try:
+        n = parse_size(text)
+    except HardwareError as e:
+        _fail(f"--memory-budget: {e}")
+    if n < 2**20:
+        _fail(f"--memory-budget {text} is below 1MB; give a size such as 300MB or 2GB")
+    return n
+
+
 def layer_counts(text: str | None) -> tuple[int, ...] | None:
     """Parse --layers "20,10" into (20, 10); exits with a one-line error for anything else."""
     if text is None:
@@ -161,7 +183,7 @@ def _from_manifest(path: str, opts: GenerateOptions, given: dict[str, bool]) -> 
         _fail(str(e))
 
 
-from shardlm import cli_ckpt, cli_plan  # noqa: E402,F401  (register the planner and checkpoint commands)
+from shardlm import cli_ckpt, cli_eval, cli_plan  # noqa: E402,F401  (register the planner, checkpoint and eval commands)
 
 if __name__ == "__main__":
     from shardlm.cli import app as registered  # the importable module carries the registered sub-commands

@@ -96,7 +96,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias
 
 
 def local_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x @ module.weight^T without bias, through the packed weight when the module has one."""
+    """x @ module.weight^T without bias: through the quantized weight (`module.quant`, see
+    shardlm.quant) or the packed weight when the module has one."""
+    quant = module.__dict__.get("quant")
+    if quant is not None:
+        return quant.matmul_t(x)
     packed = getattr(module, "packed", None)
     if packed is not None:
         return packed_linear(x, packed, module.out_features, None)

@@ -73,7 +73,9 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     """Inverse rotary frequencies (head_dim/2,), with llama3 or linear scaling applied."""
     hd = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    # always on CPU, even inside a meta-device build: scalar ops on meta go through torch._refs,
+    # whose first use imports torch._dynamo (~1.4 s of every rank's start-up, measured)
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device="cpu").float() / hd))
     rs = args.rope_scaling
     if rs is None:
         return inv
@@ -209,7 +211,11 @@ class Backbone(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        # On meta, skip nn.Embedding's normal_ init: on a meta tensor it imports torch._dynamo (~1.4 s
+        # of every rank's start-up, measured); the weights are loaded afterwards anyway.
+        meta = torch.get_default_device().type == "meta"
+        weight = torch.empty(args.vocab_size, args.dim) if meta else None
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim, _weight=weight)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
 

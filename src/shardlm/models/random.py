@@ -7,33 +7,38 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from shardlm.checkpoint.writer import Entry, write_file, write_group
 from shardlm.models.registry import args_for_config
 
 
 def write_random_checkpoint(config: dict[str, Any], folder: Path, seed: int = 0, std: float = 0.05,
-                            dtype: torch.dtype = torch.float32) -> Path:
-    """Write config.json and model.safetensors with N(0, std) weights (norm weights 1) into `folder`.
+                            dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None) -> Path:
+    """Write config.json and N(0, std) weights (norm weights 1) into `folder`.
 
-    The whole state dict is held in memory while writing: meant for models up to a few GB.
+    Streams: one tensor is in memory at a time, so any size can be written. Without
+    `max_shard_bytes` the weights go to one `model.safetensors`; with it, to size-capped files plus
+    a Hugging Face index. The values depend only on `config` and `seed`, not on the file split.
     """
     family, args = args_for_config(config)
     with torch.device("meta"):
         model = family.model_class(args)
     tied = model.tied_weight_names()
     gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, p in model.named_parameters():
-        if name in tied:
-            continue
+
+    def produce(name: str, shape: tuple[int, ...]):
+        # called in entry order by the writer, so one generator gives the same values as a dict would
         if name.endswith("norm.weight"):
-            value = torch.ones(p.shape)
-        else:
-            value = torch.randn(p.shape, generator=gen) * std
-        tensors[family.checkpoint_name(name)] = value.to(dtype)
+            return lambda: torch.ones(shape, dtype=dtype)
+        return lambda: (torch.randn(shape, generator=gen) * std).to(dtype)
+
+    entries = [Entry(family.checkpoint_name(name), dtype, tuple(p.shape), produce(name, tuple(p.shape)))
+               for name, p in model.named_parameters() if name not in tied]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if max_shard_bytes is None:
+        write_file(folder / "model.safetensors", entries)
+    else:
+        write_group(folder, entries, max_shard_bytes)
     (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": str(dtype).removeprefix("torch.")}, indent=2))
     return folder

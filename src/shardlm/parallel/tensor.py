@@ -116,8 +116,13 @@ class RowParallelLinear(nn.Module):
     the reduction.
     """
 
-    def __init__(self, in_local: int, out_features: int, bias: bool, ctx: ParallelContext):
+    def __init__(self, in_local: int, out_features: int, bias: bool, ctx: ParallelContext,
+                 in_start: int = 0, in_total: int | None = None):
         super().__init__()
+        self.in_start = in_start
+        """First input column of the full weight this rank holds (quantization groups count from 0)."""
+        self.in_total = in_local if in_total is None else in_total
+        """Input columns of the full weight."""
         with torch.device("meta"):
             self.weight = nn.Parameter(torch.empty(out_features, in_local))
             self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -143,7 +148,8 @@ class RowwiseHeads:
     def build(self, module, coord, ctx):
         """RowParallelLinear over this rank's head columns."""
         a, b = coord.heads.q_range(coord.rank)
-        return RowParallelLinear((b - a) * coord.head_dim, module.out_features, module.bias is not None, ctx)
+        return RowParallelLinear((b - a) * coord.head_dim, module.out_features, module.bias is not None, ctx,
+                                 a * coord.head_dim, module.in_features)
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,7 @@ class Rowwise:
     def build(self, module, coord, ctx):
         """RowParallelLinear over this rank's columns."""
         a, b = split_range(module.in_features, coord.tp, coord.rank)
-        return RowParallelLinear(b - a, module.out_features, module.bias is not None, ctx)
+        return RowParallelLinear(b - a, module.out_features, module.bias is not None, ctx, a, module.in_features)
 
 
 class VocabParallelEmbedding(nn.Module):

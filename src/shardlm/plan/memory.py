@@ -12,25 +12,26 @@ from shardlm.models.args import ModelArgs
 from shardlm.models.inventory import TensorInfo, layer_tensors, outer_tensors
 from shardlm.parallel.split import HeadSplit, split_range
 from shardlm.parallel.tensor import ShardCoord, Style, param_slices
+from shardlm.quant import INT4_GROUP
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-INT4_GROUP = 128
-"""Elements per int4 quantization group (one 16-bit scale and one 16-bit zero point each)."""
 
 
 def tensor_bytes(t: TensorInfo, shape: tuple[int, ...], dtype: str, quant: str) -> int:
     """Bytes of (a slice of) tensor `t` with `shape`, stored in `dtype` or quantized.
 
-    Weight-only quantization touches linear weights only: int8 keeps one 16-bit scale per output
-    row; int4 packs two values per byte plus a 16-bit scale and zero point per 128 elements.
-    Embeddings, norms, biases and routers stay in `dtype`.
+    Weight-only quantization touches linear weights only, in the runtime's format (shardlm.quant):
+    int8 keeps one scale per output row; int4 packs two values per byte plus a scale and a zero
+    point per INT4_GROUP input columns, scales and zeros in bfloat16. Embeddings, norms, biases and
+    routers stay in `dtype`.
     """
     n = math.prod(shape)
     if quant == "none" or not t.linear:
         return n * DTYPE_BYTES[dtype]
     if quant == "int8":
         return n + shape[0] * 2
-    return n // 2 + math.ceil(n / INT4_GROUP) * 4
+    groups = shape[0] * math.ceil(shape[-1] / INT4_GROUP) if len(shape) == 2 else math.ceil(n / INT4_GROUP)
+    return n // 2 + groups * 4
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,12 @@ class LocalEngine:
     stage_layers: tuple = ()
     """[start, stop) decoder layers per pipeline stage; empty: one stage."""
     dtype: str = "float32"
+    quantization: str | None = None
+    """Weight-only quantization of the linear layers at load: None, "int8" or "int4"."""
+    memory_budget: int | None = None
+    """Per-rank bytes of weights and read buffers; layers beyond it stream from `offload_dir`."""
+    offload_dir: str | None = None
+    prefetch: bool = True
     threads: int | None = None
     """Torch threads per rank; default: this machine's cores divided among the ranks."""
     shm: bool = True
@@ -94,7 +100,8 @@ class LocalEngine:
         self._procs = []
         for rank in range(world):
             cfg = WorkerConfig(rank, world, port, str(self.model_dir), self.family, self.args.to_dict(),
-                               self.dtype, threads, shm_bytes, self.timeout_s, self.tp, tuple(self.stage_layers))
+                               self.dtype, threads, shm_bytes, self.timeout_s, self.tp, tuple(self.stage_layers),
+                               self.quantization, self.memory_budget, self.offload_dir, self.prefetch)
             p = ctx.Process(target=rank_main, args=(cfg, self._requests, self._results), daemon=True,
                             name=f"shardlm-rank{rank}")
             p.start()

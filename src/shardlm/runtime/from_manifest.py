@@ -20,9 +20,6 @@ def check_runnable(plan: Plan, source: str) -> None:
     lay = plan.layout
     if lay.dp > 1:
         raise _not_yet("running data-parallel replicas", "parallelism.data", lay.dp, "set parallelism.data to 1")
-    if plan.quantization != "none":
-        raise _not_yet("weight quantization", "quantization", plan.quantization,
-                       "re-plan with --quantization none")
     if plan.offload.tier != "none":
         raise _not_yet("weight offload", "offload.tier", plan.offload.tier, "re-plan without --offload")
     if plan.dtype not in RUNTIME_DTYPES:
@@ -57,13 +54,16 @@ def apply_manifest(plan: Plan, source: str, opts: GenerateOptions, given: dict[s
     lay = plan.layout
     counts = tuple(b - a for a, b in lay.stage_layers)
     fixed = {"tp": (opts.tp, lay.tp, "parallelism.tensor"), "pp": (opts.pp, lay.pp, "parallelism.pipeline"),
-             "layers": (opts.layers, counts, "stages[].layers")}
+             "layers": (opts.layers, counts, "stages[].layers"),
+             "quantization": (opts.quantization or "none", plan.quantization, "quantization")}
     for flag, (ours, theirs, field) in fixed.items():
         if given.get(flag) and ours != theirs:
             shown = ",".join(map(str, theirs)) if isinstance(theirs, tuple) else theirs
             raise UserError(f"--{flag} contradicts {source} ({field}: {shown}); drop --{flag} or edit the manifest")
     model = opts.model if opts.model else model_folder(plan)
-    return replace(opts, model=model, tp=lay.tp, pp=lay.pp, layers=counts if lay.pp > 1 else None, dtype=plan.dtype)
+    quant = None if plan.quantization == "none" else plan.quantization
+    return replace(opts, model=model, tp=lay.tp, pp=lay.pp, layers=counts if lay.pp > 1 else None, dtype=plan.dtype,
+                   quantization=quant)
 
 
 def check_length(plan: Plan, longest: int, source: str) -> None:

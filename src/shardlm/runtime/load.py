@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from shardlm.checkpoint.reads import param_reads, rank_meta_model
 from shardlm.checkpoint.source import CheckpointError, open_source
-from shardlm.kernels import prepare_linears
+from shardlm.kernels import FastLinear, prepare_linears
 from shardlm.models.args import ModelArgs
 from shardlm.models.registry import Family
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.pipeline import StageSpec
-from shardlm.parallel.tensor import ShardCoord
+from shardlm.parallel.tensor import RowParallelLinear, ShardCoord
+from shardlm.quant import check_kind, is_quantizable, quantize_linear
+from shardlm.runtime.offload import LayerStreamer, OffloadStore, plan_streaming
 
 
 def shard_coord(args: ModelArgs, rank: int, tp: int) -> ShardCoord:
@@ -22,26 +26,35 @@ def shard_coord(args: ModelArgs, rank: int, tp: int) -> ShardCoord:
 
 def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord, ctx: ParallelContext,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     kernels: str | None = None, stage: StageSpec | None = None, rank: int | None = None) -> nn.Module:
+                     kernels: str | None = None, stage: StageSpec | None = None, rank: int | None = None,
+                     quantization: str | None = None, memory_budget: int | None = None,
+                     offload_dir: str | Path | None = None, prefetch: bool = True) -> nn.Module:
     """This rank's part of the model, with weights read from `folder`; no full tensor is read.
 
     `folder` is an ordinary checkpoint (each rank slices what it owns) or per-rank files written by
     `shardlm shard` (global `rank` then opens only its own files). `stage` keeps only one pipeline
     stage's layers (and the embedding or head where it has them). On CPU the linear layers are
     routed through `kernels.prepare_linears` (`kernels` picks the mode: "gemv", "onednn", "torch";
-    default: $SHARDLM_KERNELS or the fastest available).
+    default: $SHARDLM_KERNELS or the fastest available). `quantization` ("int8"/"int4") quantizes
+    each linear weight as soon as it is read (see shardlm.quant), so the float model is never held.
+    `memory_budget` (bytes of weights and read buffers) streams the layers that do not fit from a
+    scratch file in `offload_dir` (see runtime/offload.py); each such layer is written out as soon as
+    it is loaded, so the rank never holds more than its budget plus one layer. The streamer, when
+    there is one, is `model.streamer`.
     """
+    check_kind(quantization, device)
+    quantization = None if quantization in (None, "none") else quantization
     model = rank_meta_model(family, args, coord, stage, ctx)
-    with open_source(folder, coord.rank if rank is None else rank) as src:
-        for name, read in param_reads(model, family, coord, src.shape):
-            param = model.get_parameter(name)
-            if read.local_shape != tuple(param.shape):
-                raise CheckpointError(
-                    f"tensor {read.name!r} in {src.files[read.name]} has shape {list(read.shape)}, which does not "
-                    f"match config.json (this rank expects a {list(param.shape)} slice of it); the config and the "
-                    "weights come from different models")
-            value = src.read(read.name, read.slices).to(device=device, dtype=dtype)
-            _set_param(model, name, nn.Parameter(value, requires_grad=False))
+    plan = plan_streaming(model, memory_budget, quantization, prefetch, dtype) if memory_budget else None
+    rank = coord.rank if rank is None else rank
+    store = OffloadStore(Path(offload_dir or default_offload_dir()), rank) if plan and plan.streamed else None
+    try:
+        extents = _load_weights(model, folder, family, args, coord, ctx, dtype, device, rank, quantization, store,
+                                set(plan.streamed) if store else set())
+    except BaseException:
+        if store is not None:
+            store.close()  # no scratch file outlives a failed load
+        raise
     for target, source in model.tied_weight_names().items():
         _set_param(model, target, model.get_parameter(source))
     model.reset_buffers(device)
@@ -52,7 +65,70 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu":
         prepare_linears(model, kernels)
+    if store is not None:
+        order = [m for m in model.model.layers.values() if m in extents]
+        model.streamer = LayerStreamer(store, extents, order, prefetch)
+        model.stream_plan = plan
     return model
+
+
+def _load_weights(model: nn.Module, folder, family: Family, args: ModelArgs, coord: ShardCoord,
+                  ctx: ParallelContext, dtype: torch.dtype, device, rank: int, quantization: str | None,
+                  store: OffloadStore | None, streamed: set[int]) -> dict:
+    """Read every parameter this rank owns, quantizing linear weights as they arrive and writing each
+    streamed layer to `store` once its last tensor is in; returns {layer module: its extent}."""
+    # a tied LM head stays in `dtype` whether or not this rank also holds the embedding (a last
+    # pipeline stage reads it as a copy): the same rule on every layout keeps tokens layout-free
+    tied = {"lm_head.weight"} if args.tie_embeddings else set()
+    extents: dict[nn.Module, object] = {}
+    current: int | None = None
+
+    def finish(i: int | None) -> None:
+        if i is not None and i in streamed:
+            layer = model.model.layers[str(i)]
+            for sub_name, sub in list(layer.named_modules()):
+                if type(sub) is nn.Linear:
+                    _fast_linear(layer, sub_name)  # the module the hooks attach weights to, for good
+            extents[layer] = store.add(layer)
+
+    with open_source(folder, rank) as src:
+        for name, read in param_reads(model, family, coord, src.shape):
+            layer_id = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+            if layer_id != current:
+                finish(current)
+                current = layer_id
+            param = model.get_parameter(name)
+            if read.local_shape != tuple(param.shape):
+                raise CheckpointError(
+                    f"tensor {read.name!r} in {src.files[read.name]} has shape {list(read.shape)}, which does not "
+                    f"match config.json (this rank expects a {list(param.shape)} slice of it); the config and the "
+                    "weights come from different models")
+            value = src.read(read.name, read.slices).to(device=device, dtype=dtype)
+            _set_param(model, name, nn.Parameter(value, requires_grad=False))
+            module_name, _, kind = name.rpartition(".")
+            if quantization and kind == "weight" and is_quantizable(module_name) and name not in tied:
+                module = _fast_linear(model, module_name)
+                row_parallel = isinstance(module, RowParallelLinear)
+                quantize_linear(module, quantization, ctx if row_parallel else None)
+        finish(current)
+    return extents
+
+
+def default_offload_dir() -> Path:
+    """$SHARDLM_HOME/offload: where streamed layers go when --offload-dir is not given."""
+    from shardlm.paths import home
+
+    return home() / "offload"
+
+
+def _fast_linear(model: nn.Module, name: str) -> nn.Module:
+    """The module `name`, a plain nn.Linear swapped for a FastLinear (whose forward reads `.quant`)."""
+    module = model.get_submodule(name)
+    if type(module) is nn.Linear:
+        parent_name, _, child = name.rpartition(".")
+        module = FastLinear(module)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+    return module
 
 
 def _set_param(model: nn.Module, name: str, value: nn.Parameter) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -13,11 +14,12 @@ from shardlm.checkpoint.check import check_checkpoint
 from shardlm.checkpoint.sharded import check_layout, is_sharded
 from shardlm.checkpoint.source import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
-from shardlm.models.inventory import parameter_count
+from shardlm.models.inventory import tensor_inventory
 from shardlm.models.registry import Family, args_for_config, require_runnable
 from shardlm.parallel.pipeline import auto_micro_batches, even_stages, stages_from_counts
 from shardlm.parallel.split import split_sizes
-from shardlm.plan.memory import DTYPE_BYTES
+from shardlm.plan.memory import tensor_bytes
+from shardlm.quant import QuantizationError, check_kind
 from shardlm.runtime.engine import GenerateResult, LocalEngine
 from shardlm.runtime.sampling import SamplingParams
 from shardlm.runtime.text import encode_prompts, load_tokenizer, pad_id
@@ -51,6 +53,14 @@ class GenerateOptions:
     """Decoder layers per stage (e.g. (20, 10)); None splits them evenly."""
     micro_batches: int | None = None
     """Micro-batches in flight through the stages; None picks one per stage (capped by the batch)."""
+    quantization: str | None = None
+    """Weight-only quantization of the linear layers at load: None, "int8" or "int4"."""
+    memory_budget: int | None = None
+    """Bytes of weights and read buffers per rank; the layers beyond it stream from disk."""
+    offload_dir: str | None = None
+    """Folder for streamed layers (default $SHARDLM_HOME/offload)."""
+    prefetch: bool = True
+    """Read the next streamed layer while the current one computes."""
 
     @property
     def world(self) -> int:
@@ -70,9 +80,11 @@ class GenerateOptions:
         return self.micro_batches or auto_micro_batches(len(self.prompts), self.pp)
 
 
-def weight_bytes(args: ModelArgs, dtype: str) -> int:
-    """Bytes of all parameters of the model in `dtype` (tied embeddings once), from the tensor inventory."""
-    return parameter_count(args) * DTYPE_BYTES[dtype]
+def weight_bytes(args: ModelArgs, dtype: str, quantization: str | None = None) -> int:
+    """Bytes of all parameters of the model in `dtype` (tied embeddings once), linear weights
+    quantized as asked, from the tensor inventory."""
+    quant = quantization or "none"
+    return sum(tensor_bytes(t, t.shape, dtype, quant) for t in tensor_inventory(args))
 
 
 def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> None:
@@ -81,6 +93,10 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
         raise UserError("empty prompt: give at least one non-empty PROMPT, e.g. shardlm generate \"Hello\"")
     if opts.dtype not in RUNTIME_DTYPES:
         raise UserError(f"--dtype {opts.dtype} is not supported; use one of {', '.join(RUNTIME_DTYPES)}")
+    try:
+        check_kind(opts.quantization)
+    except QuantizationError as e:
+        raise UserError(str(e)) from e
     if opts.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {opts.max_new_tokens}")
     try:
@@ -91,13 +107,33 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
         raise UserError(f"--tp {opts.tp} is outside 1..{args.n_heads}: this model has {args.n_heads} attention "
                         f"heads and every rank needs at least one; use --tp {min(max(opts.tp, 1), args.n_heads)}")
     check_stages(opts, args)
-    weights = weight_bytes(args, opts.dtype)
+    weights = weight_bytes(args, opts.dtype, opts.quantization)
+    if opts.memory_budget:
+        weights = min(weights, opts.world * opts.memory_budget)
+        check_offload_dir(opts.offload_dir)
+    elif opts.offload_dir or not opts.prefetch:
+        raise UserError("--offload-dir and --no-prefetch only apply with --memory-budget SIZE; add it or drop them")
     need = weights + opts.world * RANK_OVERHEAD_BYTES
     have = psutil.virtual_memory().available
     if need > have:
         raise UserError(f"{opts.world} ranks need about {need / 2**30:.1f} GiB ({opts.world} ranks x "
                         f"{RANK_OVERHEAD_BYTES / 2**20:.0f} MiB overhead + {weights / 2**30:.1f} GiB "
                         f"weights) but {have / 2**30:.1f} GiB is available; use fewer ranks or --dtype bfloat16")
+
+
+def check_offload_dir(folder: str | None) -> None:
+    """Raise UserError unless streamed layers can be written to `folder` (created if missing)."""
+    from shardlm.runtime.load import default_offload_dir
+
+    path = Path(folder) if folder else default_offload_dir()
+    probe = path / f".shardlm-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--offload-dir {path} is not writable ({e.strerror}); give a folder on a local disk this "
+                        "user can write, with room for the streamed layers") from e
 
 
 def check_stages(opts: GenerateOptions, args: ModelArgs) -> None:
@@ -172,13 +208,15 @@ def run_generate(job: Prepared, on_token: Callable[[list[int]], None] | None = N
     stages = opts.stage_layers(job.args.n_layers)
     m = opts.micro_batch_count()
     with LocalEngine(str(job.folder), job.family.name, job.args, tp=opts.tp, stage_layers=stages,
-                     dtype=opts.dtype) as engine:
+                     dtype=opts.dtype, quantization=opts.quantization, memory_budget=opts.memory_budget,
+                     offload_dir=opts.offload_dir, prefetch=opts.prefetch) as engine:
         result = engine.generate(job.prompt_ids, opts.max_new_tokens, opts.sampling, pad_id(tok), on_token=on_token,
                                  ignore_eos=opts.ignore_eos, micro_batches=m)
         load_s, ready = engine.load_s, engine.ready
     texts = [tok.decode(t, skip_special_tokens=True) for t in result.token_ids]
     summary = {
         "model": str(job.folder), "tp": opts.tp, "pp": opts.pp, "dtype": opts.dtype,
+        "quantization": opts.quantization or "none",
         "stages": [list(r) for r in stages] or [[0, job.args.n_layers]], "micro_batches": m,
         "text": texts, "token_ids": result.token_ids,
         "timings": {
@@ -188,6 +226,19 @@ def run_generate(job: Prepared, on_token: Callable[[list[int]], None] | None = N
         },
         "ranks": [{"rank": r, "stage": r // opts.tp, "tp_rank": r % opts.tp, "peak_rss_bytes": rep["peak_rss_bytes"],
                    "weight_bytes": ready[r]["weight_bytes"], "rss_before_load_bytes": ready[r]["rss_before_load_bytes"], "load_s": ready[r]["load_s"],
-                   "comms": rep["comms"]} for r, rep in enumerate(result.ranks)],
+                   "comms": rep["comms"], **_streaming(ready[r], rep, result)} for r, rep in enumerate(result.ranks)],
     }
     return result, summary
+
+
+def _streaming(ready: dict, report: dict, result: GenerateResult) -> dict:
+    """A rank's offload figures for --json: resident bytes, streamed layers, bytes per step, hit rate."""
+    stream = report.get("streaming")
+    out = {"resident_bytes": ready["weight_bytes"], "streamed_layers": ready.get("streamed_layers", [])}
+    if stream:
+        tokens = sum(len(t) for t in result.token_ids)
+        out.update({"streamed_bytes_per_step": ready["streamed_bytes_per_step"],
+                    "streamed_bytes": stream["bytes_read"],
+                    "streamed_bytes_per_token": stream["bytes_read"] / max(1, tokens),
+                    "prefetch_hit_rate": stream["hit_rate"], "prefetch_wait_s": stream["wait_s"]})
+    return out

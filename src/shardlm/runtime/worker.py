@@ -29,7 +29,9 @@ from shardlm.models.args import ModelArgs, ModelConfigError
 from shardlm.models.registry import FAMILIES
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.pipeline import StageSpec, pipeline_context
+from shardlm.quant import QuantizationError, model_bytes
 from shardlm.runtime.load import build_rank_model, shard_coord
+from shardlm.runtime.offload import OffloadError
 from shardlm.runtime.sampling import SamplingParams
 from shardlm.runtime.pipeline_step import pipeline_generate
 from shardlm.runtime.step import Batch, GenerationStats, generate
@@ -54,6 +56,14 @@ class WorkerConfig:
     """Ranks per pipeline stage (0: all ranks form one tensor-parallel group)."""
     stage_layers: tuple = ()
     """[start, stop) decoder layers of each pipeline stage; empty: one stage with every layer."""
+    quantization: str | None = None
+    """Weight-only quantization applied at load (None, "int8", "int4")."""
+    memory_budget: int | None = None
+    """Bytes of weights and read buffers this rank may hold; the layers beyond it stream from disk."""
+    offload_dir: str | None = None
+    """Folder for the streamed layers' scratch file (default $SHARDLM_HOME/offload)."""
+    prefetch: bool = True
+    """Read the next streamed layer while the current one computes."""
 
     @property
     def pp(self) -> int:
@@ -82,6 +92,21 @@ def _die_with_parent() -> None:
         pass
 
 
+def _steady_malloc() -> None:
+    """Make freed large tensors go back to the OS at once.
+
+    glibc raises its mmap threshold each time a large mmapped block is freed (up to 32 MiB), after
+    which tensors of that size come from the heap, and the heap keeps what they free. A rank that
+    loads and drops layer after layer (offload) then shows a peak RSS that depends on fragmentation:
+    it varied from +264 MiB to +443 MiB for the same 250 MiB budget here. A fixed 1 MiB threshold
+    turns that off (M_MMAP_THRESHOLD = -3).
+    """
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes.
 
@@ -101,11 +126,12 @@ def peak_rss_bytes() -> int:
 def rank_main(cfg: WorkerConfig, requests, results) -> None:
     """Entry point of a rank process; reports errors with their traceback instead of raising."""
     _die_with_parent()
+    _steady_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and stops every rank
     try:
         _serve(cfg, requests, results)
     except BaseException as e:  # noqa: BLE001 - report every failure to the driver, then exit non-zero
-        user_error = isinstance(e, (CheckpointError, ModelConfigError))
+        user_error = isinstance(e, (CheckpointError, ModelConfigError, QuantizationError, OffloadError))
         results.put(("error", cfg.rank, f"{type(e).__name__}: {e}", traceback.format_exc(), user_error))
         results.close()
         results.join_thread()  # flush the message before exiting
@@ -128,12 +154,16 @@ def _serve(cfg: WorkerConfig, requests, results) -> None:
     coord = shard_coord(args, ctx.rank, ctx.world)
     stage = StageSpec.of(cfg.stage_layers, ctx.pipe.stage) if ctx.pipe is not None else None
     model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), stage=stage,
-                             rank=cfg.rank)
+                             rank=cfg.rank, quantization=cfg.quantization, memory_budget=cfg.memory_budget,
+                             offload_dir=cfg.offload_dir, prefetch=cfg.prefetch)
     kv_heads = coord.local_kv_heads()
     dist.barrier()
-    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    weight_bytes = model_bytes(model)
+    streamer, plan = model.__dict__.get("streamer"), model.__dict__.get("stream_plan")
     results.put(("ready", cfg.rank, {"load_s": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes(),
-                                     "rss_before_load_bytes": rss_before, "weight_bytes": weight_bytes}))
+                                     "rss_before_load_bytes": rss_before, "weight_bytes": weight_bytes,
+                                     "streamed_layers": list(plan.streamed) if streamer else [],
+                                     "streamed_bytes_per_step": streamer.bytes_per_pass if streamer else 0}))
     try:
         while True:
             box = [requests.get() if cfg.rank == 0 else None]
@@ -143,6 +173,8 @@ def _serve(cfg: WorkerConfig, requests, results) -> None:
                 return
             _run(model, req, kv_heads, ctx, cfg.rank, results)
     finally:
+        if streamer is not None:
+            streamer.close()
         if ctx.shm is not None:
             ctx.shm.close()
         dist.destroy_process_group()
@@ -150,6 +182,8 @@ def _serve(cfg: WorkerConfig, requests, results) -> None:
 
 def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, results) -> None:
     stats = GenerationStats()
+    streamer = model.__dict__.get("streamer")
+    before = streamer.stats.as_dict() if streamer is not None else None
     on_token = (lambda tokens: results.put(("token", 0, tokens))) if rank == 0 else None
     batch, eos = Batch.from_lists(req.prompts, req.pad_id), () if req.ignore_eos else model.args.eos_token_ids
     if ctx.pipe is None:
@@ -160,6 +194,12 @@ def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, re
     report: dict[str, Any] = {
         "tokens": out, "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
         "prompt_tokens": stats.prompt_tokens, "decode_tokens": stats.decode_tokens,
-        "peak_rss_bytes": peak_rss_bytes(), "comms": ctx.snapshot(),
+        "peak_rss_bytes": peak_rss_bytes(), "comms": ctx.snapshot(), "streaming": None,
     }
+    if streamer is not None:
+        after = streamer.stats.as_dict()
+        delta = {k: after[k] - before[k] for k in ("bytes_read", "reads", "prefetch_hits", "prefetch_waits", "wait_s")}
+        needed = delta["prefetch_hits"] + delta["prefetch_waits"]
+        delta["hit_rate"] = delta["prefetch_hits"] / needed if needed else None
+        report["streaming"] = delta
     results.put(("done", rank, report))

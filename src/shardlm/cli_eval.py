@@ -1,0 +1,84 @@
+"""`shardlm perplexity`: what a dtype or a weight quantization costs in quality, on a fixed text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from shardlm import bundled
+from shardlm.cli import _fail, app, err
+from shardlm.checkpoint.source import CheckpointError
+from shardlm.models.args import ModelConfigError, read_config
+from shardlm.models.registry import args_for_config, require_runnable
+from shardlm.quant import QuantizationError, check_kind
+
+out = Console()
+DTYPES = ("float32", "bfloat16")
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        _fail(f"{flag} {text} is not a comma-separated list of {', '.join(allowed)}")
+    return items
+
+
+@app.command()
+def perplexity(
+    model: Optional[str] = typer.Option(None, help="Local Hugging Face Llama-family folder (default: bundled SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16, or several, e.g. float32,bfloat16."),
+    quantization: str = typer.Option("none", "--quantization", help="none, int8, int4, or several, e.g. none,int8,int4."),
+    text: Optional[str] = typer.Option(None, "--text", help="UTF-8 text file to score (default: the public-domain text shipped with shardlm)."),
+    window: int = typer.Option(512, help="Tokens per scored window (each window is scored from scratch)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Perplexity of the model on a text for each dtype x quantization asked (one CPU rank)."""
+    from shardlm.runtime.perplexity import default_text, perplexity as run
+    from shardlm.runtime.text import load_tokenizer
+
+    dtypes = _choices(dtype, DTYPES, "--dtype")
+    quants = _choices(quantization, ("none", "int8", "int4"), "--quantization")
+    if window < 2:
+        _fail(f"--window {window} is too small; each window needs at least 2 tokens, e.g. --window 512")
+    try:
+        body = Path(text).read_text(encoding="utf-8") if text else default_text()
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"--text {text}: {e}; give a readable UTF-8 text file")
+    try:
+        folder = bundled.resolve_model(model)
+        family, args = args_for_config(read_config(folder))
+        require_runnable(family, args)
+        tok = load_tokenizer(folder)
+        for q in quants:
+            check_kind(q)
+    except (bundled.BundledModelError, ModelConfigError, QuantizationError) as e:
+        _fail(str(e))
+    rows = []
+    for d in dtypes:
+        for q in quants:
+            with err.status(f"scoring {d}{'' if q == 'none' else ' + ' + q}..."):
+                try:
+                    r = run(folder, family, args, body, tok, d, None if q == "none" else q, window)
+                except (CheckpointError, ValueError) as e:
+                    _fail(str(e))
+            rows.append({"dtype": d, "quantization": q, "perplexity": r.perplexity, "nll": r.nll, "tokens": r.tokens,
+                         "windows": r.windows, "weight_bytes": r.weight_bytes, "seconds": r.seconds})
+    if as_json:
+        print(json.dumps({"model": str(folder), "text": text or "shardlm/data/eval_text.txt", "window": window,
+                          "results": rows}))
+        return
+    table = Table(title=f"perplexity of {Path(folder).name} on {text or 'the shipped text'} "
+                        f"({rows[0]['tokens']} tokens, windows of {window})")
+    for col in ("dtype", "quantization", "perplexity", "vs first row", "weights MiB", "seconds"):
+        table.add_column(col, justify="left" if col in ("dtype", "quantization") else "right")
+    base = rows[0]["perplexity"]
+    for r in rows:
+        table.add_row(r["dtype"], r["quantization"], f"{r['perplexity']:.3f}", f"{r['perplexity'] / base - 1:+.1%}",
+                      f"{r['weight_bytes'] / 2**20:.0f}", f"{r['seconds']:.1f}")
+    out.print(table)

@@ -1,0 +1,73 @@
+"""Perplexity of a model on a text: how much a dtype or a quantization costs in quality.
+
+The text is tokenized once and cut into consecutive windows of `window` tokens; each window is
+scored on its own (no cache carried between windows), every token after the window's first
+predicted from the tokens before it. Perplexity = exp(mean negative log-likelihood).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shardlm.parallel.context import ParallelContext
+from shardlm.runtime.load import build_rank_model, shard_coord
+from shardlm.runtime.step import attention_mask, positions_for
+
+
+def default_text() -> str:
+    """The public-domain text shipped with shardlm (see shardlm/data/README.md)."""
+    return resources.files("shardlm").joinpath("data/eval_text.txt").read_text()
+
+
+@dataclass
+class PerplexityResult:
+    """Scores of one run."""
+
+    perplexity: float
+    nll: float
+    """Mean negative log-likelihood per scored token (nats)."""
+    tokens: int
+    """Tokens scored (predicted)."""
+    windows: int
+    seconds: float
+    weight_bytes: int
+
+
+def score(model, ids: list[int], window: int, max_seq_len: int) -> tuple[float, int, int]:
+    """(sum of NLL, tokens scored, windows) of `ids` under `model` in windows of `window` tokens."""
+    window = max(2, min(window, max_seq_len))
+    total, count, n = 0.0, 0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = torch.tensor([ids[start:start + window]])  # (1, s)
+        if chunk.shape[1] < 2:
+            break
+        valid = torch.ones_like(chunk, dtype=torch.bool)
+        mask = attention_mask(valid, 0, chunk.shape[1], model.args.sliding_window)  # (1, 1, s, s)
+        with torch.inference_mode():
+            logits = model(chunk, positions_for(valid), mask)  # (1, s, vocab) float32
+        nll = F.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum")
+        total, count, n = total + float(nll), count + chunk.shape[1] - 1, n + 1
+    return total, count, n
+
+
+def perplexity(folder: Path, family, args, text: str, tokenizer, dtype: str = "float32",
+               quantization: str | None = None, window: int = 512) -> PerplexityResult:
+    """Perplexity of the model in `folder` (loaded on one CPU rank) on `text`."""
+    from shardlm.quant import model_bytes
+
+    t0 = time.perf_counter()
+    model = build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(),
+                             getattr(torch, dtype), quantization=quantization)
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < 2:
+        raise ValueError(f"the text has {len(ids)} token(s); perplexity needs at least 2")
+    total, count, n = score(model, ids, window, args.max_seq_len)
+    mean = total / count
+    return PerplexityResult(math.exp(mean), mean, count, n, time.perf_counter() - t0, model_bytes(model))

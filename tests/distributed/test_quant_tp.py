@@ -1,0 +1,53 @@
+"""Quantized weights do not depend on the TP degree: each rank holds the slice of the tp 1 integers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlm.models.args import read_config
+from shardlm.models.presets import PRESETS
+from shardlm.models.random import write_random_checkpoint
+from shardlm.models.registry import args_for_config
+from shardlm.parallel.context import ParallelContext
+from shardlm.parallel.launch import run_on_ranks
+from shardlm.parallel.tensor import param_slices
+from shardlm.runtime.load import build_rank_model, shard_coord
+
+
+def _dequantized(model) -> dict[str, torch.Tensor]:
+    """Every quantized module's weight (out, in) read back through its kernel (identity input)."""
+    out = {}
+    for name, m in model.named_modules():
+        q = m.__dict__.get("quant")
+        if q is not None:
+            out[name] = q.matmul_t(torch.eye(q.in_features)).t().float()  # (out, in)
+    return out
+
+
+def _build(rank, world, folder, kind):
+    family, args = args_for_config(read_config(folder))
+    ctx = ParallelContext(rank, world)
+    model = build_rank_model(folder, family, args, shard_coord(args, rank, world), ctx, quantization=kind,
+                             kernels="torch")
+    return _dequantized(model)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    # debug: 12 heads of 8 dims (o_proj splits inside int4 groups), MLP width 200 (not a multiple of 32)
+    return write_random_checkpoint(PRESETS["debug"], tmp_path_factory.mktemp("qtp") / "m", seed=9)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("tp", [2, 3, 5])
+def test_each_rank_holds_the_slice_of_the_tp1_quantized_weight(model, kind, tp):
+    family, args = args_for_config(read_config(model))
+    whole = run_on_ranks(_build, 1, str(model), kind, timeout_s=120)[0]
+    ranks = run_on_ranks(_build, tp, str(model), kind, timeout_s=180)
+    assert whole and all(r.keys() == whole.keys() for r in ranks)
+    for rank, got in enumerate(ranks):
+        coord = shard_coord(args, rank, tp)
+        for name, w in got.items():
+            sl = param_slices(f"{name}.weight", tuple(whole[name].shape), family.tp_plan, coord)
+            assert torch.equal(w, whole[name][sl]), f"tp {tp} rank {rank} {name}"

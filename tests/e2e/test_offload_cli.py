@@ -1,0 +1,52 @@
+"""`--memory-budget` as a user runs it: same tokens, memory within the budget, per-rank figures, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_cli import run_cli
+
+MiB = 2**20
+OVERHEAD = 64 * MiB
+"""What a rank may hold beyond its budget: KV cache, activations, allocator slack (stated in the README)."""
+
+
+def _generate(*flags: str) -> dict:
+    res = run_cli("generate", "The capital of France is", "--max-new-tokens", "8", "--json", *flags)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.parametrize("flags,budget_mib", [(("--memory-budget", "250MB"), 250),
+                                              (("--memory-budget", "150MB", "--tp", "2", "--no-prefetch"), 150),
+                                              (("--memory-budget", "130MB", "--quantization", "int8"), 130)])
+def test_streamed_runs_give_the_in_memory_tokens_within_the_budget(flags, budget_mib, tmp_path):
+    quant = ("--quantization", "int8") if "int8" in flags else ()
+    plain = _generate(*quant)
+    ours = _generate(*flags, "--offload-dir", str(tmp_path))
+    assert ours["token_ids"] == plain["token_ids"]
+    for r in ours["ranks"]:
+        assert r["streamed_layers"], r
+        assert r["resident_bytes"] <= budget_mib * MiB
+        grown = r["peak_rss_bytes"] - r["rss_before_load_bytes"]
+        assert grown <= budget_mib * MiB + OVERHEAD, (grown / MiB, r)
+        assert r["streamed_bytes_per_token"] >= r["streamed_bytes_per_step"] * 0.9
+        if "--no-prefetch" in flags:
+            assert r["prefetch_hit_rate"] == 0
+        else:
+            assert 0 <= r["prefetch_hit_rate"] <= 1
+    assert not list(tmp_path.iterdir()), "scratch files left behind"
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--memory-budget", "20MB"], "needs at least"),
+    (["--memory-budget", "lots"], "--memory-budget"),
+    (["--offload-dir", "/tmp"], "only apply with --memory-budget"),
+    (["--memory-budget", "250MB", "--offload-dir", "/proc/shardlm"], "is not writable"),
+])
+def test_bad_offload_input_gets_one_line(args, expect):
+    res = run_cli("generate", "x", "--max-new-tokens", "2", *args)
+    assert res.returncode == 2 and expect in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
