@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from test_cli import run_cli
 
@@ -50,3 +51,20 @@ def test_bad_offload_input_gets_one_line(args, expect):
     res = run_cli("generate", "x", "--max-new-tokens", "2", *args)
     assert res.returncode == 2 and expect in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_manifest_that_streams_layers_runs_them_from_disk(tmp_path):
+    manifest = tmp_path / "m.yaml"
+    res = run_cli("plan", "smollm2-135m", "--devices", "1xcpu-700MB", "--offload", "--dtype", "float32",
+                  "--quantization", "none", "--max-seq-len", "512", "-o", str(manifest))
+    assert res.returncode == 0, res.stderr
+    text = manifest.read_text()
+    assert "tier: disk" in text
+    counts = yaml.safe_load(text)["offload"]["layers"]
+    out = _generate("--manifest", str(manifest))
+    assert out["token_ids"] == _generate()["token_ids"]
+    assert out["ranks"][0]["streamed_layers"] == list(range(30 - counts[0], 30))
+    gpu_tier = tmp_path / "cpu_tier.yaml"
+    gpu_tier.write_text(text.replace("tier: disk", "tier: cpu"))
+    res = run_cli("generate", "x", "--manifest", str(gpu_tier))
+    assert res.returncode == 2 and "offload.tier: cpu" in res.stderr, res.stderr

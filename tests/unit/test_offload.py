@@ -47,13 +47,14 @@ def _scratch(path) -> list[str]:
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_streamed_layers_give_the_same_logits_as_resident_ones(folder, tmp_path, quantization, prefetch):
+@pytest.mark.parametrize("prefetch,io", [(True, "mmap"), (False, "mmap"), (True, "read"), (False, "read")])
+def test_streamed_layers_give_the_same_logits_as_resident_ones(folder, tmp_path, quantization, prefetch, io):
     ref = _build(folder, quantization=quantization)
     whole = model_bytes(ref)
     layer = sum(t.numel() * t.element_size() for _, _, t in layer_tensors(ref.model.layers["0"]))
     budget = whole - layer // 2  # embedding/head + 2 read buffers + 3 resident layers, 3 streamed
-    model = _build(folder, quantization=quantization, memory_budget=budget, offload_dir=tmp_path, prefetch=prefetch)
+    model = _build(folder, quantization=quantization, memory_budget=budget, offload_dir=tmp_path, prefetch=prefetch,
+                   offload_io=io)
     plan, streamer = model.stream_plan, model.streamer
     assert 0 < len(plan.streamed) < CFG["num_hidden_layers"], plan
     assert model_bytes(model) <= budget

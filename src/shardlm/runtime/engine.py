@@ -72,6 +72,8 @@ class LocalEngine:
     """Per-rank bytes of weights and read buffers; layers beyond it stream from `offload_dir`."""
     offload_dir: str | None = None
     prefetch: bool = True
+    stream_layers: tuple = ()
+    """Per stage, how many of its last layers stream from disk (overrides memory_budget)."""
     threads: int | None = None
     """Torch threads per rank; default: this machine's cores divided among the ranks."""
     shm: bool = True
@@ -101,7 +103,8 @@ class LocalEngine:
         for rank in range(world):
             cfg = WorkerConfig(rank, world, port, str(self.model_dir), self.family, self.args.to_dict(),
                                self.dtype, threads, shm_bytes, self.timeout_s, self.tp, tuple(self.stage_layers),
-                               self.quantization, self.memory_budget, self.offload_dir, self.prefetch)
+                               self.quantization, self.memory_budget, self.offload_dir, self.prefetch,
+                               tuple(self.stream_layers))
             p = ctx.Process(target=rank_main, args=(cfg, self._requests, self._results), daemon=True,
                             name=f"shardlm-rank{rank}")
             p.start()

@@ -20,8 +20,10 @@ def check_runnable(plan: Plan, source: str) -> None:
     lay = plan.layout
     if lay.dp > 1:
         raise _not_yet("running data-parallel replicas", "parallelism.data", lay.dp, "set parallelism.data to 1")
-    if plan.offload.tier != "none":
-        raise _not_yet("weight offload", "offload.tier", plan.offload.tier, "re-plan without --offload")
+    if plan.offload.tier == "cpu":
+        raise UserError(f"{source} streams layers from host RAM (offload.tier: cpu), which is for GPU ranks; the CPU "
+                        "runtime already holds weights in host RAM. Plan for this machine's CPU ranks (offload.tier: "
+                        "disk) or set offload.tier to none")
     if plan.dtype not in RUNTIME_DTYPES:
         raise UserError(f"dtype {plan.dtype} in {source} is not supported by the runtime; use one of "
                         f"{', '.join(RUNTIME_DTYPES)}")
@@ -62,8 +64,11 @@ def apply_manifest(plan: Plan, source: str, opts: GenerateOptions, given: dict[s
             raise UserError(f"--{flag} contradicts {source} ({field}: {shown}); drop --{flag} or edit the manifest")
     model = opts.model if opts.model else model_folder(plan)
     quant = None if plan.quantization == "none" else plan.quantization
-    return replace(opts, model=model, tp=lay.tp, pp=lay.pp, layers=counts if lay.pp > 1 else None, dtype=plan.dtype,
+    opts = replace(opts, model=model, tp=lay.tp, pp=lay.pp, layers=counts if lay.pp > 1 else None, dtype=plan.dtype,
                    quantization=quant)
+    if plan.offload.tier == "disk" and not opts.memory_budget:  # a --memory-budget given on the command line wins
+        opts = replace(opts, stream_layers=tuple(plan.offload.layers), offload_dir=opts.offload_dir or plan.offload.dir)
+    return opts
 
 
 def check_length(plan: Plan, longest: int, source: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -28,7 +29,8 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                      kernels: str | None = None, stage: StageSpec | None = None, rank: int | None = None,
                      quantization: str | None = None, memory_budget: int | None = None,
-                     offload_dir: str | Path | None = None, prefetch: bool = True) -> nn.Module:
+                     offload_dir: str | Path | None = None, prefetch: bool = True,
+                     offload_io: str = "mmap", stream_last: int | None = None) -> nn.Module:
     """This rank's part of the model, with weights read from `folder`; no full tensor is read.
 
     `folder` is an ordinary checkpoint (each rank slices what it owns) or per-rank files written by
@@ -40,12 +42,16 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     `memory_budget` (bytes of weights and read buffers) streams the layers that do not fit from a
     scratch file in `offload_dir` (see runtime/offload.py); each such layer is written out as soon as
     it is loaded, so the rank never holds more than its budget plus one layer. The streamer, when
-    there is one, is `model.streamer`.
+    there is one, is `model.streamer`; `offload_io` is how it brings layers in ("mmap" or "read",
+    see LayerStreamer). SHARDLM_OFFLOAD_UNCACHED=1 evicts streamed layers from the page cache
+    after each use, so every step reads the disk (for benchmarks). `stream_last` streams exactly the stage's last that many layers instead of
+    fitting a budget (a manifest's `offload.layers`).
     """
     check_kind(quantization, device)
     quantization = None if quantization in (None, "none") else quantization
     model = rank_meta_model(family, args, coord, stage, ctx)
-    plan = plan_streaming(model, memory_budget, quantization, prefetch, dtype) if memory_budget else None
+    plan = plan_streaming(model, memory_budget, quantization, prefetch, dtype, stream_last) \
+        if memory_budget or stream_last else None
     rank = coord.rank if rank is None else rank
     store = OffloadStore(Path(offload_dir or default_offload_dir()), rank) if plan and plan.streamed else None
     try:
@@ -67,7 +73,8 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
         prepare_linears(model, kernels)
     if store is not None:
         order = [m for m in model.model.layers.values() if m in extents]
-        model.streamer = LayerStreamer(store, extents, order, prefetch)
+        model.streamer = LayerStreamer(store, extents, order, prefetch, offload_io,
+                                       os.environ.get("SHARDLM_OFFLOAD_UNCACHED") == "1")
         model.stream_plan = plan
     return model
 

@@ -61,6 +61,8 @@ class GenerateOptions:
     """Folder for streamed layers (default $SHARDLM_HOME/offload)."""
     prefetch: bool = True
     """Read the next streamed layer while the current one computes."""
+    stream_layers: tuple[int, ...] = ()
+    """Per stage, how many of its last layers stream from disk (from a manifest's offload.layers)."""
 
     @property
     def world(self) -> int:
@@ -108,8 +110,9 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
                         f"heads and every rank needs at least one; use --tp {min(max(opts.tp, 1), args.n_heads)}")
     check_stages(opts, args)
     weights = weight_bytes(args, opts.dtype, opts.quantization)
-    if opts.memory_budget:
-        weights = min(weights, opts.world * opts.memory_budget)
+    if opts.memory_budget or opts.stream_layers:
+        if opts.memory_budget:
+            weights = min(weights, opts.world * opts.memory_budget)
         check_offload_dir(opts.offload_dir)
     elif opts.offload_dir or not opts.prefetch:
         raise UserError("--offload-dir and --no-prefetch only apply with --memory-budget SIZE; add it or drop them")
@@ -209,7 +212,7 @@ def run_generate(job: Prepared, on_token: Callable[[list[int]], None] | None = N
     m = opts.micro_batch_count()
     with LocalEngine(str(job.folder), job.family.name, job.args, tp=opts.tp, stage_layers=stages,
                      dtype=opts.dtype, quantization=opts.quantization, memory_budget=opts.memory_budget,
-                     offload_dir=opts.offload_dir, prefetch=opts.prefetch) as engine:
+                     offload_dir=opts.offload_dir, prefetch=opts.prefetch, stream_layers=opts.stream_layers) as engine:
         result = engine.generate(job.prompt_ids, opts.max_new_tokens, opts.sampling, pad_id(tok), on_token=on_token,
                                  ignore_eos=opts.ignore_eos, micro_batches=m)
         load_s, ready = engine.load_s, engine.ready
@@ -240,5 +243,6 @@ def _streaming(ready: dict, report: dict, result: GenerateResult) -> dict:
         out.update({"streamed_bytes_per_step": ready["streamed_bytes_per_step"],
                     "streamed_bytes": stream["bytes_read"],
                     "streamed_bytes_per_token": stream["bytes_read"] / max(1, tokens),
-                    "prefetch_hit_rate": stream["hit_rate"], "prefetch_wait_s": stream["wait_s"]})
+                    "prefetch_hit_rate": stream["hit_rate"], "prefetch_wait_s": stream["wait_s"],
+                    "page_cache_hit_rate": stream["page_cache_hits"] / max(1, stream["reads"])})
     return out

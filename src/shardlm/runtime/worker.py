@@ -64,6 +64,8 @@ class WorkerConfig:
     """Folder for the streamed layers' scratch file (default $SHARDLM_HOME/offload)."""
     prefetch: bool = True
     """Read the next streamed layer while the current one computes."""
+    stream_layers: tuple = ()
+    """Per stage, how many of its last layers stream from disk (a manifest's offload.layers); overrides the budget."""
 
     @property
     def pp(self) -> int:
@@ -155,7 +157,8 @@ def _serve(cfg: WorkerConfig, requests, results) -> None:
     stage = StageSpec.of(cfg.stage_layers, ctx.pipe.stage) if ctx.pipe is not None else None
     model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), stage=stage,
                              rank=cfg.rank, quantization=cfg.quantization, memory_budget=cfg.memory_budget,
-                             offload_dir=cfg.offload_dir, prefetch=cfg.prefetch)
+                             offload_dir=cfg.offload_dir, prefetch=cfg.prefetch,
+                             stream_last=cfg.stream_layers[ctx.pipe.stage if ctx.pipe else 0] if cfg.stream_layers else None)
     kv_heads = coord.local_kv_heads()
     dist.barrier()
     weight_bytes = model_bytes(model)
@@ -198,7 +201,8 @@ def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, re
     }
     if streamer is not None:
         after = streamer.stats.as_dict()
-        delta = {k: after[k] - before[k] for k in ("bytes_read", "reads", "prefetch_hits", "prefetch_waits", "wait_s")}
+        delta = {k: after[k] - before[k]
+                 for k in ("bytes_read", "reads", "prefetch_hits", "prefetch_waits", "wait_s", "page_cache_hits")}
         needed = delta["prefetch_hits"] + delta["prefetch_waits"]
         delta["hit_rate"] = delta["prefetch_hits"] / needed if needed else None
         report["streaming"] = delta
