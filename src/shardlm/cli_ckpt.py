@@ -132,13 +132,17 @@ def convert(model: str = typer.Argument(..., help="Hugging Face model folder (or
             output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
             max_shard_size: str = typer.Option("1GB", help=SIZE_HELP),
             dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: as stored)."),
+            quantization: Optional[str] = typer.Option(None, "--quantization", help="Store linear weights as int8 (per channel) or int4 (groups of 32)."),
             overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
             as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
-    """Rewrite a checkpoint as size-capped safetensors shards with an index (what Accelerate's save_model does)."""
+    """Rewrite a checkpoint as size-capped safetensors shards with an index (what Accelerate's save_model
+    does), optionally with int8/int4 linear weights that `generate` loads as they are."""
     from shardlm.checkpoint.shard import write_whole
 
+    if quantization not in (None, "none", "int8", "int4"):
+        _fail(f"--quantization {quantization} is not supported; use int8 or int4")
     stats = _run(write_whole, _model_folder(model), Path(output), _size(max_shard_size), _dtype(dtype), overwrite,
-                 not as_json, "converting")
+                 not as_json, "converting", None if quantization in (None, "none") else quantization)
     _report(stats, "converted", output, as_json)
 
 

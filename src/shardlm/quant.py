@@ -138,29 +138,41 @@ def _reduce(t: torch.Tensor, op, ctx) -> torch.Tensor:
     return t
 
 
-def quantize_int8(w: torch.Tensor, ctx=None) -> Int8Weight:
-    """Per-row int8 of a float weight (out, in); `ctx` reduces the row maxima across its TP group."""
+def int8_codes(w: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 codes (out, in) and float32 scales (out,) of a float weight; `ctx` reduces the
+    row maxima across its TP group (for a row-parallel slice)."""
     absmax = _reduce(w.abs().amax(dim=1).float(), dist.ReduceOp.MAX, ctx)  # (out,)
     scale = (absmax / 127).clamp(min=1e-12)
     q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # (out, in)
-    pad = -w.shape[1] % INT8_ALIGN
+    return q, scale
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
+    """An Int8Weight from codes (out, in) and scales (out,), padded for the kernel."""
+    pad = -q.shape[1] % INT8_ALIGN
     q = F.pad(q, (0, pad)) if pad else q  # (out, in + pad)
     return Int8Weight(q.contiguous(), scale.to(ACT_DTYPE), pad)
 
 
-def quantize_int4(w: torch.Tensor, start: int = 0, total: int | None = None,
-                  group_size: int = INT4_GROUP, ctx=None) -> Int4Weight:
-    """Group-wise int4 of a float weight (out, in) that holds columns [start, start+in) of `total`.
+def quantize_int8(w: torch.Tensor, ctx=None) -> Int8Weight:
+    """Per-row int8 of a float weight (out, in); `ctx` reduces the row maxima across its TP group."""
+    return pack_int8(*int8_codes(w, ctx))
 
-    Groups are counted from column 0 of the full tensor; groups cut by this slice's ends are
-    completed by a MIN/MAX reduction over the TP group of `ctx`.
+
+def int4_codes(w: torch.Tensor, start: int = 0, total: int | None = None, group_size: int = INT4_GROUP,
+               ctx=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Group-wise int4 codes of a float weight (out, in) that holds columns [start, start+in) of `total`.
+
+    Returns codes (out, padded in) int32 in 0..15 over whole groups, float32 scales and zeros
+    (out, groups), and the zero columns added on the left and right. Groups are counted from
+    column 0 of the full tensor; groups cut by this slice's ends are completed by a MIN/MAX
+    reduction over the TP group of `ctx`.
     """
     out, k = w.shape
     total = k if total is None else total
     pad_left = start % group_size
     padded_k = -(-(pad_left + k) // group_size) * group_size
     pad_right = padded_k - pad_left - k
-    n_pad = -out % 16  # the kernel wants a multiple of 16 rows
     wf = w.float()
     # (out, padded_k): real columns, +inf/-inf where padded so they never win a min or max
     lo = F.pad(wf, (pad_left, pad_right), value=float("inf")).view(out, -1, group_size).amin(-1)
@@ -177,12 +189,29 @@ def quantize_int4(w: torch.Tensor, start: int = 0, total: int | None = None,
     zero = lo + 8 * scale
     x = F.pad(wf, (pad_left, pad_right)).view(out, -1, group_size)  # (out, groups, group)
     q = torch.round((x - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(out, padded_k)
+    return q, scale, zero, pad_left, pad_right
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, pad_left: int,
+              pad_right: int) -> Int4Weight:
+    """An Int4Weight for the CPU kernel from codes (out, padded in), scales and zeros (out, groups)."""
+    out, padded_k = q.shape
+    n_pad = -out % 16  # the kernel wants a multiple of 16 rows
+    q = q.to(torch.int32)
     if n_pad:
         q = F.pad(q, (0, 0, 0, n_pad), value=8)  # rows that decode to `zero`=0 below: harmless, dropped after
         scale, zero = F.pad(scale, (0, 0, 0, n_pad), value=1.0), F.pad(zero, (0, 0, 0, n_pad))
     packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACT_DTYPE).contiguous()  # (groups, rows, 2)
-    return Int4Weight(packed, scales_zeros, group_size, out, pad_left, pad_right, k)
+    return Int4Weight(packed, scales_zeros, group_size, out, pad_left, pad_right, padded_k - pad_left - pad_right)
+
+
+def quantize_int4(w: torch.Tensor, start: int = 0, total: int | None = None,
+                  group_size: int = INT4_GROUP, ctx=None) -> Int4Weight:
+    """Group-wise int4 of a float weight (out, in) that holds columns [start, start+in) of `total`
+    (see int4_codes), ready for the kernel."""
+    q, scale, zero, pad_left, pad_right = int4_codes(w, start, total, group_size, ctx)
+    return pack_int4(q, scale, zero, group_size, pad_left, pad_right)
 
 
 def column_range(module: nn.Module) -> tuple[int, int]:

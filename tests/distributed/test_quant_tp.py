@@ -51,3 +51,19 @@ def test_each_rank_holds_the_slice_of_the_tp1_quantized_weight(model, kind, tp):
         for name, w in got.items():
             sl = param_slices(f"{name}.weight", tuple(whole[name].shape), family.tp_plan, coord)
             assert torch.equal(w, whole[name][sl]), f"tp {tp} rank {rank} {name}"
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_converted_checkpoint_loads_the_weights_quantizing_at_load_gives(model, kind, tmp_path):
+    from shardlm.checkpoint.shard import write_whole
+
+    converted = tmp_path / kind
+    write_whole(model, converted, 2**17, quantization=kind, progress=False)  # 128 KiB files: several
+    assert len(list(converted.glob("*.safetensors"))) > 1
+    for tp in (1, 3):
+        at_load = run_on_ranks(_build, tp, str(model), kind, timeout_s=180)
+        stored = run_on_ranks(_build, tp, str(converted), None, timeout_s=180)
+        for rank, (a, b) in enumerate(zip(at_load, stored)):
+            assert a.keys() == b.keys()
+            for name in a:
+                assert torch.equal(a[name], b[name]), f"tp {tp} rank {rank} {name}"

@@ -66,3 +66,27 @@ def test_perplexity_of_each_format_stays_close_to_float32():
         assert abs(row["perplexity"] / base - 1) < 0.03, (key, row["perplexity"], base)
     sizes = [rows[(d, q)]["weight_bytes"] for d in ("float32", "bfloat16") for q in ("none", "int8", "int4")]
     assert sizes[0] > sizes[1] > sizes[2] and sizes[3] > sizes[4] > sizes[5]
+
+
+def test_convert_quantization_writes_a_checkpoint_generate_loads_as_is(tmp_path):
+    out = tmp_path / "q4"
+    res = run_cli("convert", "smollm2-135m", "-o", str(out), "--quantization", "int4", "--max-shard-size", "100MB")
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "shardlm", "bits": 4, "group_size": 32}
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert size < 200e6  # 538 MB float32: int4 layers plus the float32 tied embedding (113 MB)
+    assert run_cli("verify", str(out)).returncode == 0
+    at_load = _generate("--quantization", "int4")
+    stored = _generate("--model", str(out), "--tp", "2")
+    assert stored["quantization"] == "int4" and stored["token_ids"] == at_load["token_ids"]
+    clash = run_cli("generate", "x", "--model", str(out), "--quantization", "int8")
+    assert clash.returncode == 2 and "holds int4 weights" in clash.stderr
+    manifest = tmp_path / "m.yaml"
+    assert run_cli("plan", "smollm2-135m", "--devices", "2xcpu-4GB", "--tp", "2", "-o", str(manifest)).returncode == 0
+    refused = run_cli("shard", str(out), "--manifest", str(manifest), "-o", str(tmp_path / "ranks"))
+    assert refused.returncode == 2 and "quantized checkpoint" in refused.stderr
+    again = run_cli("convert", str(out), "-o", str(tmp_path / "again"), "--quantization", "int8")
+    assert again.returncode == 2 and "already quantized" in again.stderr
+    bad = run_cli("convert", "smollm2-135m", "-o", str(tmp_path / "bad"), "--quantization", "int3")
+    assert bad.returncode == 2 and "use int8 or int4" in bad.stderr

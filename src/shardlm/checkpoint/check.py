@@ -21,6 +21,11 @@ def check_checkpoint(folder: Path, family: Family, args: ModelArgs, reader=None)
     `reader` (anything with `names()` and `shape(name)`, e.g. a per-rank reader) replaces the
     folder's ordinary checkpoint files as the source of tensor names and shapes.
     """
+    from shardlm.checkpoint.quantized import checkpoint_quantization, stored_shapes
+    from shardlm.models.args import read_config
+    from shardlm.quant import is_quantizable
+
+    kind = checkpoint_quantization(read_config(folder)) if (Path(folder) / "config.json").is_file() else None
     with torch.device("meta"):
         model = family.model_class(args)
     tied = model.tied_weight_names()
@@ -32,14 +37,18 @@ def check_checkpoint(folder: Path, family: Family, args: ModelArgs, reader=None)
             if name in tied:
                 continue
             ck = family.checkpoint_name(name)
-            if ck not in have:
-                problems.append(f"tensor {ck!r} is missing")
-                continue
-            shape = tuple(src.shape(ck))
-            if shape != tuple(param.shape):
-                where = f" in {files[ck].name}" if ck in files else ""
-                problems.append(f"tensor {ck!r}{where} has shape {list(shape)} but config.json "
-                                f"implies {list(param.shape)}")
+            expected = {ck: tuple(param.shape)}
+            if kind and ck.endswith(".weight") and param.dim() == 2 and is_quantizable(ck.removesuffix(".weight")):
+                expected = stored_shapes(ck, tuple(param.shape), kind)
+            for want, want_shape in expected.items():
+                if want not in have:
+                    problems.append(f"tensor {want!r} is missing")
+                    continue
+                shape = tuple(src.shape(want))
+                if shape != want_shape:
+                    where = f" in {files[want].name}" if want in files else ""
+                    problems.append(f"tensor {want!r}{where} has shape {list(shape)} but config.json "
+                                    f"implies {list(want_shape)}")
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise CheckpointError(f"checkpoint {folder} does not match its config.json: " + "; ".join(problems[:5]) + more

@@ -24,6 +24,7 @@ import torch
 
 from shardlm.atomic import atomic_file
 from shardlm.checkpoint.check import check_checkpoint
+from shardlm.checkpoint.quantized import checkpoint_quantization, config_entry, stored_shapes, stored_tensors
 from shardlm.checkpoint.reads import param_reads, rank_meta_model
 from shardlm.checkpoint.readers import open_reader, source_identity
 from shardlm.checkpoint.sharded import INFO_NAME, ShardedInfo, rank_dir_name
@@ -33,6 +34,7 @@ from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config, require_runnable
 from shardlm.parallel.pipeline import StageSpec
 from shardlm.parallel.tensor import ShardCoord
+from shardlm.quant import ACT_DTYPE, is_quantizable
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -81,6 +83,34 @@ def prepare_output(out: Path, source: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _quantized_entries(reader, names: list[str], dtype: str | None, kind: str) -> list[Entry]:
+    """Writer entries with every linear weight quantized; the three tensors of one weight share one
+    quantization, computed when the first of them is written and dropped after the last."""
+    entries: list[Entry] = []
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def part(weight: str, stored: str):
+        def produce() -> torch.Tensor:
+            if weight not in cache:
+                full = reader.read(weight, tuple(slice(0, d) for d in reader.shape(weight)))
+                cache.clear()
+                cache[weight] = stored_tensors(weight, full, kind)
+            return cache[weight].pop(stored)
+        return produce
+
+    for n in names:
+        shape = tuple(reader.shape(n))
+        module = n.removesuffix(".weight")
+        if n.endswith(".weight") and len(shape) == 2 and is_quantizable(module):
+            for stored, sshape in stored_shapes(n, shape, kind).items():
+                sdtype = {n: torch.int8 if kind == "int8" else torch.uint8}.get(stored, ACT_DTYPE)
+                entries.append(Entry(stored, sdtype, sshape, part(n, stored)))
+        else:
+            entries.append(Entry(n, _out_dtype(dtype, reader.dtype(n)), shape,
+                                 lambda n=n: reader.read(n, tuple(slice(0, d) for d in reader.shape(n)))))
+    return entries
+
+
 def copy_model_files(source: Path, out: Path) -> None:
     """Copy config.json, tokenizer and other non-weight files from the source root (each atomically)."""
     for f in sorted(Path(source).iterdir()):
@@ -121,7 +151,12 @@ def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int],
     `plan` (the manifest as parsed YAML) is recorded in shardlm.json beside the layout.
     """
     source, out = Path(source), Path(out)
-    family, args = args_for_config(read_config(source))
+    cfg = read_config(source)
+    if checkpoint_quantization(cfg):
+        raise CheckpointError(f"{source} is a quantized checkpoint; per-rank files are written from float "
+                              "checkpoints only for now: shard the float one and add --quantization when you "
+                              "generate (the ranks quantize as they load, to the same values)")
+    family, args = args_for_config(cfg)
     require_runnable(family, args)
     stage_layers = tuple(stage_layers) or ((0, args.n_layers),)
     pp = len(stage_layers)
@@ -162,21 +197,34 @@ def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int],
 
 
 def write_whole(source: Path, out: Path, max_bytes: int, dtype: str | None = None, overwrite: bool = False,
-                progress: bool = True, label: str = "writing") -> WriteStats:
+                progress: bool = True, label: str = "writing", quantization: str | None = None) -> WriteStats:
     """Write the whole model from `source` (ordinary or per-rank files) as size-capped HF shards + index.
 
-    The index metadata records each file's sha256 (`shardlm_sha256`) for `shardlm verify`.
+    The index metadata records each file's sha256 (`shardlm_sha256`) for `shardlm verify`. With
+    `quantization` ("int8"/"int4") the linear weights are stored quantized (checkpoint/quantized.py),
+    one weight in memory at a time, and config.json records it.
     """
     source, out = Path(source), Path(out)
-    family, args = args_for_config(read_config(source))
+    cfg = read_config(source)
+    family, args = args_for_config(cfg)
+    if quantization and checkpoint_quantization(cfg):
+        raise CheckpointError(f"{source} is already quantized ({checkpoint_quantization(cfg)}); convert its float "
+                              "original instead")
     reader = open_reader(source)
     try:
         names = sorted(reader.names(), key=_natural)
         check_checkpoint(source, family, args, reader)
         prepare_output(out, source, overwrite)
         copy_model_files(source, out)
-        entries = [Entry(n, _out_dtype(dtype, reader.dtype(n)), reader.shape(n),
-                         lambda n=n: reader.read(n, tuple(slice(0, d) for d in reader.shape(n)))) for n in names]
+        if quantization:
+            entries = _quantized_entries(reader, names, dtype, quantization)
+            with atomic_file(out / "config.json") as f:
+                f.write(json.dumps({**cfg, "quantization_config": config_entry(quantization)}, indent=2))
+        else:
+            # a quantized source's scales and zeros stay bfloat16 whatever --dtype says (the kernels' format)
+            keep = lambda n: n.endswith((".weight_scale", ".weight_zero"))  # noqa: E731
+            entries = [Entry(n, _out_dtype(None if keep(n) else dtype, reader.dtype(n)), reader.shape(n),
+                             lambda n=n: reader.read(n, tuple(slice(0, d) for d in reader.shape(n)))) for n in names]
         stats, t0 = WriteStats(), time.perf_counter()
         with _progress(sum(e.nbytes for e in entries), label, progress) as advance:
             files = write_group(out, entries, max_bytes, None, advance, checksums_in_index=True)

@@ -16,7 +16,10 @@ from shardlm.models.registry import Family
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.pipeline import StageSpec
 from shardlm.parallel.tensor import RowParallelLinear, ShardCoord
-from shardlm.quant import check_kind, is_quantizable, quantize_linear
+from shardlm.checkpoint.quantized import checkpoint_quantization, read_quantized
+from shardlm.models.args import read_config
+from shardlm.parallel.tensor import param_slices
+from shardlm.quant import QuantizationError, check_kind, is_quantizable, quantize_linear
 from shardlm.runtime.offload import LayerStreamer, OffloadStore, plan_streaming
 
 
@@ -49,6 +52,13 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     """
     check_kind(quantization, device)
     quantization = None if quantization in (None, "none") else quantization
+    stored = checkpoint_quantization(read_config(folder))
+    if stored and quantization and quantization != stored:
+        raise QuantizationError(f"{folder} holds {stored} weights (quantization_config in config.json); "
+                                f"--quantization {quantization} cannot change them: drop the flag, or give the "
+                                "float checkpoint")
+    quantization = stored or quantization
+    check_kind(quantization, device)
     model = rank_meta_model(family, args, coord, stage, ctx)
     plan = plan_streaming(model, memory_budget, quantization, prefetch, dtype, stream_last) \
         if memory_budget or stream_last else None
@@ -56,7 +66,7 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     store = OffloadStore(Path(offload_dir or default_offload_dir()), rank) if plan and plan.streamed else None
     try:
         extents = _load_weights(model, folder, family, args, coord, ctx, dtype, device, rank, quantization, store,
-                                set(plan.streamed) if store else set())
+                                set(plan.streamed) if store else set(), stored is not None)
     except BaseException:
         if store is not None:
             store.close()  # no scratch file outlives a failed load
@@ -81,9 +91,10 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
 
 def _load_weights(model: nn.Module, folder, family: Family, args: ModelArgs, coord: ShardCoord,
                   ctx: ParallelContext, dtype: torch.dtype, device, rank: int, quantization: str | None,
-                  store: OffloadStore | None, streamed: set[int]) -> dict:
-    """Read every parameter this rank owns, quantizing linear weights as they arrive and writing each
-    streamed layer to `store` once its last tensor is in; returns {layer module: its extent}."""
+                  store: OffloadStore | None, streamed: set[int], prequantized: bool = False) -> dict:
+    """Read every parameter this rank owns, quantizing linear weights as they arrive (or reading
+    them quantized from a `prequantized` checkpoint) and writing each streamed layer to `store`
+    once its last tensor is in; returns {layer module: its extent}."""
     # a tied LM head stays in `dtype` whether or not this rank also holds the embedding (a last
     # pipeline stage reads it as a copy): the same rule on every layout keeps tokens layout-free
     tied = {"lm_head.weight"} if args.tie_embeddings else set()
@@ -105,6 +116,15 @@ def _load_weights(model: nn.Module, folder, family: Family, args: ModelArgs, coo
                 finish(current)
                 current = layer_id
             param = model.get_parameter(name)
+            module_name, _, kind = name.rpartition(".")
+            quantized_here = quantization and kind == "weight" and is_quantizable(module_name) and name not in tied
+            if prequantized and quantized_here:
+                module = _fast_linear(model, module_name)
+                in_total = getattr(module, "in_total", param.shape[1])
+                rows, cols = param_slices(read.name, (read.shape[0], in_total), family.tp_plan, coord)
+                module.quant = read_quantized(src, read.name, quantization, rows, cols, in_total)
+                module.weight = None
+                continue
             if read.local_shape != tuple(param.shape):
                 raise CheckpointError(
                     f"tensor {read.name!r} in {src.files[read.name]} has shape {list(read.shape)}, which does not "
@@ -112,8 +132,7 @@ def _load_weights(model: nn.Module, folder, family: Family, args: ModelArgs, coo
                     "weights come from different models")
             value = src.read(read.name, read.slices).to(device=device, dtype=dtype)
             _set_param(model, name, nn.Parameter(value, requires_grad=False))
-            module_name, _, kind = name.rpartition(".")
-            if quantization and kind == "weight" and is_quantizable(module_name) and name not in tied:
+            if quantized_here:
                 module = _fast_linear(model, module_name)
                 row_parallel = isinstance(module, RowParallelLinear)
                 quantize_linear(module, quantization, ctx if row_parallel else None)

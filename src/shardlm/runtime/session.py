@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -11,6 +11,7 @@ import psutil
 
 from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
+from shardlm.checkpoint.quantized import checkpoint_quantization
 from shardlm.checkpoint.sharded import check_layout, is_sharded
 from shardlm.checkpoint.source import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
@@ -188,6 +189,15 @@ class Prepared:
 def prepare(opts: GenerateOptions) -> Prepared:
     """Validate everything that can be checked before a rank starts; raises UserError."""
     folder, family, args = resolve(opts)
+    try:
+        stored = checkpoint_quantization(read_config(folder))
+    except ModelConfigError as e:
+        raise UserError(str(e)) from e
+    if stored and opts.quantization and opts.quantization != stored:
+        raise UserError(f"{folder} holds {stored} weights (quantization_config in config.json); --quantization "
+                        f"{opts.quantization} cannot change them: drop the flag, or give the float checkpoint")
+    if stored:
+        opts = replace(opts, quantization=stored)
     check_request(opts, family, args)
     try:
         if is_sharded(folder):
