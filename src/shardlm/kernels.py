@@ -101,6 +101,9 @@ def local_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     quant = module.__dict__.get("quant")
     if quant is not None:
         return quant.matmul_t(x)
+    row_stream = module.__dict__.get("row_stream")  # an LM head used in place from a mapped file
+    if row_stream is not None:
+        return row_stream(x)
     packed = getattr(module, "packed", None)
     if packed is not None:
         return packed_linear(x, packed, module.out_features, None)
@@ -146,7 +149,8 @@ def prepare_linears(model: nn.Module, mode: str | None = None) -> str:
             setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
         weight = getattr(module, "weight", None)
         if mode == "onednn" and getattr(module, "packable", False) and weight is not None \
-                and counts.get(id(weight), 0) == 1 and weight.device.type == "cpu":
+                and counts.get(id(weight), 0) == 1 and weight.device.type == "cpu" \
+                and not getattr(weight, "_shardlm_mapped", False):  # packing would copy a mapped head into memory
             module.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
                                    persistent=False)
             module.out_features = weight.shape[0]

@@ -247,7 +247,7 @@ def model_bytes(model: nn.Module) -> int:
     read buffers of streamed layers (whose own tensors are meta placeholders between uses)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen and t.device.type != "meta":
+        if id(t) not in seen and t.device.type != "meta" and not getattr(t, "_shardlm_mapped", False):
             seen.add(id(t))
             total += t.numel() * t.element_size()
     for m in model.modules():

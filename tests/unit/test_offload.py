@@ -99,3 +99,22 @@ def test_an_unwritable_offload_folder_is_named(folder, tmp_path):
     budget = model_bytes(_build(folder)) * 2 // 3
     with pytest.raises(OffloadError, match="--offload-dir .*file cannot be used"):
         _build(folder, memory_budget=budget, offload_dir=blocker)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_budget_below_the_embedding_uses_it_and_the_head_in_place_from_the_file(tmp_path_factory, tied):
+    cfg = {**CFG, "tie_word_embeddings": tied}
+    folder = write_random_checkpoint(cfg, tmp_path_factory.mktemp("vocab") / "m", seed=12)
+    ref = _build(folder)
+    layer = sum(t.numel() * t.element_size() for _, _, t in layer_tensors(ref.model.layers["0"]))
+    vocab = ref.model.embed_tokens.weight.nbytes
+    # below embedding/head + two buffers, above norms + two buffers + an eighth of the head
+    budget = 2 * layer + vocab // 2
+    model = _build(folder, memory_budget=budget, offload_dir=tmp_path_factory.mktemp("o"))
+    plan = model.stream_plan
+    assert "model.embed_tokens.weight" in plan.vocab and ("lm_head.weight" in plan.vocab) == (not tied)
+    assert model_bytes(model) <= budget
+    for a, b in zip(_logits(ref), _logits(model)):
+        assert torch.equal(a, b)
+    assert model.streamer.bytes_per_pass >= vocab
+    model.streamer.close()

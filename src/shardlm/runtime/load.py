@@ -63,10 +63,20 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     plan = plan_streaming(model, memory_budget, quantization, prefetch, dtype, stream_last) \
         if memory_budget or stream_last else None
     rank = coord.rank if rank is None else rank
-    store = OffloadStore(Path(offload_dir or default_offload_dir()), rank) if plan and plan.streamed else None
+    store = OffloadStore(Path(offload_dir or default_offload_dir()), rank) \
+        if plan and (plan.streamed or plan.vocab) else None
+    vocab: dict[str, tuple[int, int]] = {}
     try:
         extents = _load_weights(model, folder, family, args, coord, ctx, dtype, device, rank, quantization, store,
-                                set(plan.streamed) if store else set(), stored is not None)
+                                set(plan.streamed) if store else set(), stored is not None,
+                                set(plan.vocab) if store else set(), vocab)
+        if vocab:  # the embedding / LM head used in place: parameters that are views of the mapped file
+            flat = store.mapped()
+            for name, (offset, nbytes) in vocab.items():
+                meta = model.get_parameter(name)
+                p = nn.Parameter(flat[offset:offset + nbytes].view(dtype).view(meta.shape), requires_grad=False)
+                p._shardlm_mapped = True
+                _set_param(model, name, p)
     except BaseException:
         if store is not None:
             store.close()  # no scratch file outlives a failed load
@@ -84,17 +94,20 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     if store is not None:
         order = [m for m in model.model.layers.values() if m in extents]
         model.streamer = LayerStreamer(store, extents, order, prefetch, offload_io,
-                                       os.environ.get("SHARDLM_OFFLOAD_UNCACHED") == "1")
+                                       os.environ.get("SHARDLM_OFFLOAD_UNCACHED") == "1", vocab,
+                                       model.model.embed_tokens, model.lm_head)
         model.stream_plan = plan
     return model
 
 
 def _load_weights(model: nn.Module, folder, family: Family, args: ModelArgs, coord: ShardCoord,
                   ctx: ParallelContext, dtype: torch.dtype, device, rank: int, quantization: str | None,
-                  store: OffloadStore | None, streamed: set[int], prequantized: bool = False) -> dict:
+                  store: OffloadStore | None, streamed: set[int], prequantized: bool = False,
+                  vocab_names: set[str] = frozenset(), vocab: dict | None = None) -> dict:
     """Read every parameter this rank owns, quantizing linear weights as they arrive (or reading
     them quantized from a `prequantized` checkpoint) and writing each streamed layer to `store`
-    once its last tensor is in; returns {layer module: its extent}."""
+    once its last tensor is in; returns {layer module: its extent}. Parameters in `vocab_names` go
+    to `store` as soon as they are read; their (offset, bytes) are put in `vocab`."""
     # a tied LM head stays in `dtype` whether or not this rank also holds the embedding (a last
     # pipeline stage reads it as a copy): the same rule on every layout keeps tokens layout-free
     tied = {"lm_head.weight"} if args.tie_embeddings else set()
@@ -130,6 +143,9 @@ def _load_weights(model: nn.Module, folder, family: Family, args: ModelArgs, coo
                     f"tensor {read.name!r} in {src.files[read.name]} has shape {list(read.shape)}, which does not "
                     f"match config.json (this rank expects a {list(param.shape)} slice of it); the config and the "
                     "weights come from different models")
+            if name in vocab_names:  # straight to the file, a block of rows at a time
+                vocab[name] = store.add_tensor(_row_blocks(src, read, device, dtype))
+                continue
             value = src.read(read.name, read.slices).to(device=device, dtype=dtype)
             _set_param(model, name, nn.Parameter(value, requires_grad=False))
             if quantized_here:
@@ -145,6 +161,15 @@ def default_offload_dir() -> Path:
     from shardlm.paths import home
 
     return home() / "offload"
+
+
+def _row_blocks(src, read, device, dtype, block_bytes: int = 8 * 2**20):
+    """Yield `read`'s slice of its tensor as consecutive blocks of rows of about `block_bytes`."""
+    rows, rest = read.slices[0], read.slices[1:]
+    per_row = max(1, torch.empty(0, dtype=dtype).element_size() * int(torch.Size(read.local_shape[1:]).numel()))
+    step = max(1, block_bytes // per_row)
+    for a in range(rows.start, rows.stop, step):
+        yield src.read(read.name, (slice(a, min(rows.stop, a + step)), *rest)).to(device=device, dtype=dtype)
 
 
 def _fast_linear(model: nn.Module, name: str) -> nn.Module:

@@ -32,7 +32,14 @@ from torch import nn
 
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 ALIGN = 4096
+VOCAB_CHUNK = 4 * 2**20
+"""Bytes of LM-head rows mapped at a time when the head is used in place from the file."""
 """Each layer's extent starts on this boundary (page size; what O_DIRECT reads would need)."""
+
+
+def vocab_chunk(head_bytes: int) -> int:
+    """Bytes of LM-head rows mapped at a time: VOCAB_CHUNK, or an eighth of a smaller head."""
+    return min(VOCAB_CHUNK, max(1, head_bytes // 8))
 
 
 class OffloadError(ValueError):
@@ -137,6 +144,32 @@ class OffloadStore:
         if uncache:
             os.posix_fadvise(self.fd, extent.offset, extent.nbytes, os.POSIX_FADV_DONTNEED)
 
+    def add_tensor(self, parts) -> tuple[int, int]:
+        """Write one tensor, given as consecutive row blocks (an iterable of tensors), at a page
+        boundary: an embedding or LM head that will be used in place, memory-mapped. Only one block
+        is in memory at a time. Returns (offset, bytes)."""
+        offset = pos = -(-self.size // ALIGN) * ALIGN
+        try:
+            for t in parts:
+                data = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+                self._write_all(memoryview(data), pos)
+                pos += data.nbytes
+        except OSError as e:
+            self.close()
+            raise OffloadError(f"writing to --offload-dir {self.folder} failed ({e.strerror}); free space there or "
+                               "choose another folder (the partial file was removed)") from e
+        self.size = pos
+        return offset, pos - offset
+
+    def release_range(self, offset: int, nbytes: int, uncache: bool = False) -> None:
+        """Drop the pages of [offset, offset + nbytes) from this process's resident set (and from the
+        page cache with `uncache`)."""
+        if self.map is not None and nbytes > 0:
+            start = offset // ALIGN * ALIGN
+            self.map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+            if uncache:
+                os.posix_fadvise(self.fd, start, offset + nbytes - start, os.POSIX_FADV_DONTNEED)
+
     def add(self, module: nn.Module) -> LayerExtent:
         """Write a loaded layer's tensors to the file and drop them from memory (meta placeholders)."""
         items = sorted(layer_tensors(module), key=lambda it: -it[2].element_size())  # aligned views later
@@ -239,6 +272,10 @@ class LayerStreamer:
     uncached: bool = False
     """Evict each layer from the page cache too after use, so every use reads the disk (benchmarks:
     the worst case, a model much larger than RAM)."""
+    vocab_slots: dict = field(default_factory=dict)
+    """{parameter name: (offset, bytes)} of an embedding / LM head used in place from the mapping."""
+    embed: nn.Module | None = None
+    head: nn.Module | None = None
     stats: StreamStats = field(default_factory=StreamStats)
 
     def __post_init__(self):
@@ -246,11 +283,12 @@ class LayerStreamer:
             os.fsync(self.store.fd)
             os.posix_fadvise(self.store.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         slots = 2 if self.prefetch else 1
-        if self.mode == "mmap":
+        if self.mode == "mmap" or self.vocab_slots:
             self.store.mapped()
+        if self.mode == "mmap":
             self.free: list = [None] * slots  # tokens: how many layers may be mapped at once
         else:
-            biggest = max(e.nbytes for e in self.extents.values())
+            biggest = max((e.nbytes for e in self.extents.values()), default=0)
             self.free = [torch.empty(biggest, dtype=torch.uint8) for _ in range(slots)]
         self.populate = True
         self.pending: dict[nn.Module, tuple[Future, object]] = {}
@@ -261,11 +299,41 @@ class LayerStreamer:
         for m in self.order:
             self.handles.append(m.register_forward_pre_hook(self._before))
             self.handles.append(m.register_forward_hook(self._after))
+        embed_slot = self.vocab_slots.get("model.embed_tokens.weight")
+        if self.embed is not None and embed_slot:
+            # a lookup maps only the rows it reads; drop them again after
+            self.handles.append(self.embed.register_forward_hook(
+                lambda m, a, o: self.store.release_range(*embed_slot, self.uncached)))
+        head_slot = self.vocab_slots.get("lm_head.weight") or (embed_slot if self.head is not None
+                                                               and self.embed is not None
+                                                               and self.head.weight is self.embed.weight else None)
+        if self.head is not None and head_slot:
+            self.head_slot = head_slot
+            self.head.row_stream = self._head_in_chunks
+
+    def _head_in_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., dim) @ W^T over the mapped LM head, VOCAB_CHUNK bytes of rows at a time, each chunk
+        dropped from the resident set once used -> (..., rows)."""
+        from shardlm.kernels import matmul_t
+
+        w = self.head.weight  # (rows, dim), a view of the mapping
+        offset, nbytes = self.head_slot
+        rows = w.shape[0]
+        row_bytes = nbytes // rows
+        step = max(1, vocab_chunk(nbytes) // row_bytes)
+        outs = []
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            outs.append(matmul_t(x, w[a:b]))  # (..., b - a)
+            self.store.release_range(offset + a * row_bytes, (b - a) * row_bytes, self.uncached)
+        self.stats.bytes_read += nbytes
+        return torch.cat(outs, dim=-1)  # (..., rows)
 
     @property
     def bytes_per_pass(self) -> int:
-        """Bytes brought in per forward pass (every streamed layer once)."""
-        return sum(e.nbytes for e in self.extents.values())
+        """Bytes brought in per forward pass (every streamed layer once, and a mapped LM head)."""
+        head = self.head_slot[1] if getattr(self, "head_slot", None) else 0
+        return sum(e.nbytes for e in self.extents.values()) + head
 
     def resident_buffer_bytes(self) -> int:
         """Bytes of anonymous read buffers ("read" mode; mapped pages are the page cache's)."""
@@ -343,6 +411,8 @@ class LayerStreamer:
             self.pool.shutdown(wait=True)
         for h in self.handles:
             h.remove()
+        if self.head is not None:
+            self.head.__dict__.pop("row_stream", None)
         self.store.close()
 
 
@@ -384,6 +454,9 @@ class StreamPlan:
     streamed: tuple[int, ...]
     buffers: int
     """Read buffers (2 with prefetch, 1 without), each the size of the largest streamed layer."""
+    vocab: tuple[str, ...] = ()
+    """Embedding / float LM head parameters used in place from the memory-mapped file, a chunk at a
+    time, when even streaming every layer would not fit the budget."""
 
     @property
     def resident_layer_bytes(self) -> int:
@@ -415,6 +488,9 @@ def plan_streaming(model: nn.Module, budget: int | None, quantization: str | Non
         outer += param_bytes("lm_head", head.weight, None if model.args.tie_embeddings else quantization, elem)
     buffers = 2 if prefetch else 1
     order = sorted(sizes)
+    vocab = {n: p.numel() * elem for n, p in model.named_parameters()
+             if n == "model.embed_tokens.weight" or (n == "lm_head.weight" and n not in skip
+                                                     and (model.args.tie_embeddings or not quantization))}
     if stream_last is not None:
         if not 0 <= stream_last <= len(order):
             raise OffloadError(f"offload.layers asks to stream {stream_last} layers but this stage has {len(order)}; "
@@ -425,10 +501,16 @@ def plan_streaming(model: nn.Module, budget: int | None, quantization: str | Non
         return StreamPlan(budget, outer, sizes, (), 0)
     biggest = max(sizes.values())
     minimum = outer + buffers * biggest
+    mapped: tuple[str, ...] = ()
+    if budget < minimum and vocab:  # use the embedding / head in place from the file too
+        chunk = vocab_chunk(max(vocab.values()))  # head rows mapped at a time
+        minimum = outer - sum(vocab.values()) + buffers * biggest + chunk
+        outer, mapped = outer - sum(vocab.values()) + chunk, tuple(vocab)
     if budget < minimum:
         raise OffloadError(
             f"--memory-budget {budget / 2**20:.1f}MB is below the {minimum / 2**20:.1f} MiB this rank needs at least: "
-            f"{outer / 2**20:.1f} MiB embedding/norm/head kept in memory + {buffers} read buffer(s) of the largest "
+            f"{outer / 2**20:.1f} MiB {'norms + a vocabulary chunk' if mapped else 'embedding/norm/head'} kept in "
+            f"memory + {buffers} read buffer(s) of the largest "
             f"layer ({biggest / 2**20:.1f} MiB); use --memory-budget {-(-minimum // 2**20)}MB or more, add ranks "
             "(--tp/--pp), or quantize (--quantization int8|int4)")
     room = budget - minimum
@@ -438,4 +520,4 @@ def plan_streaming(model: nn.Module, budget: int | None, quantization: str | Non
             break
         resident.append(i)
         room -= sizes[i]
-    return StreamPlan(budget, outer, sizes, tuple(i for i in order if i not in resident), buffers)
+    return StreamPlan(budget, outer, sizes, tuple(i for i in order if i not in resident), buffers, mapped)
