@@ -7,6 +7,7 @@ positioned reads (`reader.SafetensorsFile`), so a rank never holds a tensor it d
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import torch
@@ -104,6 +105,11 @@ class RankFilesSource(CheckpointSource):
     `shape` reports the full tensor's shape and `read` checks that the slice asked for is the one
     stored, so the loader treats it exactly like an ordinary checkpoint and a layout mismatch is
     caught tensor by tensor.
+
+    A stored tensor is the rank's whole slice, contiguous in its file, so `read` returns a view of
+    the memory-mapped file instead of a copy (as llama.cpp and transformers do): loading costs no
+    copy, and the pages are the page cache's, shared with any other reader. The files must not be
+    rewritten while a model uses them (`shardlm reshard` writes a new folder).
     """
 
     def __init__(self, folder: Path, rank: int):
@@ -112,6 +118,7 @@ class RankFilesSource(CheckpointSource):
         self.root = Path(folder)
         rank_dir, self.slices = read_rank_index(self.root, rank)
         super().__init__(rank_dir)
+        self._maps: dict[Path, mmap.mmap] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Full shape of tensor `name` in the source checkpoint."""
@@ -128,7 +135,29 @@ class RankFilesSource(CheckpointSource):
             raise CheckpointError(f"{self.files.get(name, self.folder)} holds slice {stored} of tensor {name!r} but this "
                                   f"rank needs {wanted}: the files were written for a different layout; reshard them "
                                   "with `shardlm reshard` for this plan")
+        view = self._mapped(name)
+        if view is not None:
+            return view
         return super().read(name, tuple(slice(0, b - a) for a, b in stored))
+
+    def _mapped(self, name: str) -> torch.Tensor | None:
+        """Tensor `name` as a view of its mapped file; None when its offset is not aligned for its dtype."""
+        handle = self._handle(name)
+        info = handle.header[name]
+        dtype, (start, end) = DTYPES[info["dtype"]], info["data_offsets"]
+        offset = handle.data_start + start
+        if offset % dtype.itemsize or end == start:
+            return None
+        if handle.path not in self._maps:  # private and copy-on-write: nothing ever writes back to the file
+            self._maps[handle.path] = mmap.mmap(handle.fd, 0, flags=mmap.MAP_PRIVATE,
+                                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        flat = torch.frombuffer(self._maps[handle.path], dtype=dtype, count=(end - start) // dtype.itemsize,
+                                offset=offset)
+        return flat.view(tuple(info["shape"]))
+
+    def __exit__(self, *exc) -> None:
+        self._maps.clear()  # the mappings live on in the tensors that view them
+        super().__exit__(*exc)
 
 
 def open_source(folder: Path, rank: int) -> CheckpointSource:
