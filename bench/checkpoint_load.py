@@ -132,8 +132,7 @@ def main() -> None:
         text = report(rows, disk, cold, opts)
         print(text)
         if not opts.no_write:
-            _decode.HEADING = HEADING
-            _decode.write_section(text)
+            _decode.write_section(text, HEADING)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

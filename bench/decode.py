@@ -551,12 +551,13 @@ def print_tables(cfg: dict) -> None:
     console.print(f"load average at start: {cfg['uptime_start']}\nload average at end:   {cfg['uptime_end']}")
 
 
-def write_section(text: str) -> None:
-    """Replace this benchmark's section of RESULTS.md (up to the next '## ' heading), or append it."""
+def write_section(text: str, heading: str = HEADING) -> None:
+    """Replace the section of RESULTS.md under `heading` (up to the next '## ' heading) with `text`,
+    or append it; every benchmark script records its results through this."""
     old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     lines = old.splitlines()
     try:
-        start = lines.index(HEADING)
+        start = lines.index(heading)
     except ValueError:
         new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
     else:

@@ -147,8 +147,7 @@ def main() -> None:
         text = report(samples, bw, budget, size, opts, threads)
         print(text)
         if not opts.no_write:
-            _decode.HEADING = HEADING
-            _decode.write_section(text)
+            _decode.write_section(text, HEADING)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

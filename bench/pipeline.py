@@ -145,8 +145,7 @@ def main() -> None:
     text = report(rounds, p2p, opts)
     print(text)
     if not opts.no_write:
-        _decode.HEADING = HEADING
-        _decode.write_section(text)
+        _decode.write_section(text, HEADING)
 
 
 def _med(rounds, label, key):

@@ -104,8 +104,7 @@ def main() -> None:
     text = section(rows, "python bench/plan_honesty.py")
     print(text)
     if not a.no_write:
-        _decode.HEADING = HEADING
-        _decode.write_section(text)
+        _decode.write_section(text, HEADING)
 
 
 if __name__ == "__main__":

@@ -172,8 +172,7 @@ Alternatives the planner ranked next, and what it rejected:
 """
     sys.path.insert(0, str(ROOT / "bench"))
     import decode  # its write_section replaces one "## " section of RESULTS.md in place
-    decode.HEADING = HEADING
-    decode.write_section(text)
+    decode.write_section(text, HEADING)
     print(text, end="")
 
 

@@ -113,7 +113,7 @@ def generate(
                            sampling=SamplingParams(temperature, top_p, top_k, seed), dtype=dtype, chat=chat,
                            ignore_eos=ignore_eos, pp=pp or 1, layers=layer_counts(layers), micro_batches=micro_batches,
                            quantization=None if quantization in (None, "none") else quantization,
-                           memory_budget=_budget(memory_budget), offload_dir=offload_dir, prefetch=not no_prefetch)
+                           memory_budget=size_flag("--memory-budget", memory_budget), offload_dir=offload_dir, prefetch=not no_prefetch)
     if manifest:
         opts = _from_manifest(manifest, opts, given)
     tp, world = opts.tp, opts.world
@@ -148,8 +148,9 @@ def generate(
               + ", ".join(f"{r['peak_rss_bytes'] / 2**20:.0f} MiB" for r in summary["ranks"]) + "[/]")
 
 
-def _budget(text: str | None) -> int | None:
-    """Parse --memory-budget (e.g. 300MB, 1.5GB); exits with a one-line error for anything else."""
+def size_flag(flag: str, text: str | None) -> int | None:
+    """Parse a size flag such as --memory-budget or --max-shard-size (300MB, 1.5GB; GB means GiB);
+    exits with a one-line error for anything unparsable or below 1MB."""
     if text is None:
         return None
     from shardlm.hardware import HardwareError, parse_size
@@ -157,9 +158,9 @@ def _budget(text: str | None) -> int | None:
     try:
         n = parse_size(text)
     except HardwareError as e:
-        _fail(f"--memory-budget: {e}")
+        _fail(f"{flag}: {e}")
     if n < 2**20:
-        _fail(f"--memory-budget {text} is below 1MB; give a size such as 300MB or 2GB")
+        _fail(f"{flag} {text} is below 1MB; give a size such as 500MB or 2GB")
     return n
 
 

@@ -9,9 +9,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from shardlm.cli import _fail, app
+from shardlm.cli import _fail, app, size_flag
 from shardlm.checkpoint.source import CheckpointError
-from shardlm.hardware import HardwareError, parse_size
 from shardlm.models.args import ModelConfigError
 
 out = Console()
@@ -29,13 +28,7 @@ def _model_folder(model: str) -> Path:
 
 
 def _size(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except HardwareError as e:
-        _fail(f"--max-shard-size: {e}")
-    if n < 2**20:
-        _fail(f"--max-shard-size {text} is below 1MB; use e.g. 500MB or 2GB")
-    return n
+    return size_flag("--max-shard-size", text)
 
 
 def _dtype(dtype: Optional[str]) -> Optional[str]:

@@ -47,10 +47,9 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     it is loaded, so the rank never holds more than its budget plus one layer. The streamer, when
     there is one, is `model.streamer`; `offload_io` is how it brings layers in ("mmap" or "read",
     see LayerStreamer). SHARDLM_OFFLOAD_UNCACHED=1 evicts streamed layers from the page cache
-    after each use, so every step reads the disk (for benchmarks). `stream_last` streams exactly the stage's last that many layers instead of
-    fitting a budget (a manifest's `offload.layers`).
+    after each use, so every step reads the disk (for benchmarks). `stream_last` streams exactly
+    the stage's last that many layers instead of fitting a budget (a manifest's `offload.layers`).
     """
-    check_kind(quantization, device)
     quantization = None if quantization in (None, "none") else quantization
     stored = checkpoint_quantization(read_config(folder))
     if stored and quantization and quantization != stored:

@@ -449,7 +449,8 @@ class StreamPlan:
 
     budget: int
     outer_bytes: int
-    """Embedding, final norm and LM head on this rank (always resident)."""
+    """Embedding, final norm and LM head on this rank held in memory (norms and a head block when
+    `vocab` says they are used in place from the file)."""
     layer_bytes: dict[int, int]
     streamed: tuple[int, ...]
     buffers: int
@@ -457,16 +458,6 @@ class StreamPlan:
     vocab: tuple[str, ...] = ()
     """Embedding / float LM head parameters used in place from the memory-mapped file, a chunk at a
     time, when even streaming every layer would not fit the budget."""
-
-    @property
-    def resident_layer_bytes(self) -> int:
-        """Bytes of the layers kept in memory."""
-        return sum(b for i, b in self.layer_bytes.items() if i not in self.streamed)
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the read buffers."""
-        return self.buffers * max((self.layer_bytes[i] for i in self.streamed), default=0)
 
 
 def plan_streaming(model: nn.Module, budget: int | None, quantization: str | None, prefetch: bool,
