@@ -118,3 +118,17 @@ def test_a_budget_below_the_embedding_uses_it_and_the_head_in_place_from_the_fil
         assert torch.equal(a, b)
     assert model.streamer.bytes_per_pass >= vocab
     model.streamer.close()
+
+
+def test_scratch_files_of_dead_ranks_are_swept_by_the_next_run(folder, tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".shardlm-offload-rank0-{dead.pid}.bin"
+    stale.write_bytes(b"left by a killed rank")
+    alive = tmp_path / f".shardlm-offload-rank1-{os.getpid()}.bin"
+    alive.write_bytes(b"in use")
+    model = _build(folder, memory_budget=model_bytes(_build(folder)) * 2 // 3, offload_dir=tmp_path)
+    assert not stale.exists() and alive.exists()
+    model.streamer.close()

@@ -95,6 +95,31 @@ def _detach(slots: list[Slot]) -> None:
         _set(s.owner, s.attr, torch.empty(s.shape, dtype=s.dtype, device="meta"))
 
 
+def sweep_stale(folder: Path) -> list[Path]:
+    """Remove scratch files left in `folder` by ranks that no longer run (a SIGKILL skips cleanup);
+    returns what was removed."""
+    removed = []
+    for p in folder.glob(".shardlm-offload-rank*-*.bin"):
+        try:
+            pid = int(p.stem.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 class OffloadStore:
     """The scratch file of one rank's streamed layers."""
 
@@ -102,6 +127,7 @@ class OffloadStore:
         self.folder = Path(folder)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            sweep_stale(self.folder)
             self.path = self.folder / f".shardlm-offload-rank{rank}-{os.getpid()}.bin"
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as e:
