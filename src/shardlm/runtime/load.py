@@ -20,7 +20,7 @@ from shardlm.checkpoint.quantized import checkpoint_quantization, read_quantized
 from shardlm.models.args import read_config
 from shardlm.parallel.tensor import param_slices
 from shardlm.quant import QuantizationError, check_kind, is_quantizable, quantize_linear
-from shardlm.runtime.offload import LayerStreamer, OffloadStore, plan_streaming
+from shardlm.runtime.offload import LayerStreamer, OffloadStore, plan_streaming, trim_heap
 
 
 def shard_coord(args: ModelArgs, rank: int, tp: int) -> ShardCoord:
@@ -88,6 +88,7 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
             if hasattr(module, "set_kv_map"):
                 module.set_kv_map(coord.heads.kv_map(coord.rank).tolist(), device)
     model.eval().requires_grad_(False)
+    trim_heap()  # what reading, converting and quantizing freed
     if torch.device(device).type == "cpu":
         prepare_linears(model, kernels)
     if store is not None:
