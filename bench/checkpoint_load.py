@@ -113,9 +113,9 @@ def main() -> None:
             r = shard(ranks2, work / f"{folder.name}-tp3", 2 + 1, (), 2 * 2**30, progress=False)
             shutil.rmtree(work / f"{folder.name}-tp3")
             systems = {
-                "(a) slice HF checkpoint": [PY, "-m", "shardlm.cli", "generate", "x", "--model", str(folder), "--tp", "2",
+                "(a) slice HF checkpoint": [PY, "-m", "shardlm", "generate", "x", "--model", str(folder), "--tp", "2",
                                             "--max-new-tokens", "1", "--json"],
-                "(b) per-rank files": [PY, "-m", "shardlm.cli", "generate", "x", "--model", str(ranks2), "--tp", "2",
+                "(b) per-rank files": [PY, "-m", "shardlm", "generate", "x", "--model", str(ranks2), "--tp", "2",
                                        "--max-new-tokens", "1", "--json"],
                 "(c) transformers": [PY, "-c", HF_SCRIPT, str(folder)],
             }

@@ -52,7 +52,7 @@ from shardlm.bundled import default_model_dir
 from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config
 from shardlm.runtime.engine import LocalEngine
-from shardlm.runtime.sampling import SamplingParams
+from shardlm.runtime.messages import SamplingParams
 from shardlm.runtime.text import load_tokenizer, pad_id
 
 PROMPT_LEN = 40  # "a few dozen" tokens per decode prompt

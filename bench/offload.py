@@ -91,7 +91,7 @@ def read_bandwidth(folder: Path, mib: int = 512) -> dict[str, float]:
 def shardlm_run(budget: int, offload: Path, new: int, prefetch: bool, uncached: bool = False) -> dict:
     """One `shardlm generate` with the budget; returns decode tok/s and the rank's streaming figures.
     `uncached` evicts each layer from the page cache after use (SHARDLM_OFFLOAD_UNCACHED=1)."""
-    cmd = [sys.executable, "-m", "shardlm.cli", "generate", "x", "--max-new-tokens", str(new), "--ignore-eos",
+    cmd = [sys.executable, "-m", "shardlm", "generate", "x", "--max-new-tokens", str(new), "--ignore-eos",
            "--memory-budget", f"{budget // 2**20}MB", "--offload-dir", str(offload), "--json"]
     cmd += [] if prefetch else ["--no-prefetch"]
     env = {**os.environ, "SHARDLM_OFFLOAD_UNCACHED": "1" if uncached else "0"}

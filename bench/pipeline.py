@@ -36,7 +36,7 @@ from shardlm.models.args import read_config  # noqa: E402
 from shardlm.models.registry import args_for_config  # noqa: E402
 from shardlm.parallel.launch import run_on_ranks  # noqa: E402
 from shardlm.runtime.engine import LocalEngine  # noqa: E402
-from shardlm.runtime.sampling import SamplingParams  # noqa: E402
+from shardlm.runtime.messages import SamplingParams  # noqa: E402
 from shardlm.runtime.text import load_tokenizer, pad_id  # noqa: E402
 
 HEADING = "## Pipeline parallelism: batch throughput (bench/pipeline.py)"

@@ -29,7 +29,7 @@ from shardlm.plan.layout import ParallelLayout  # noqa: E402
 from shardlm.plan.plan import KVBudget  # noqa: E402
 from shardlm.plan.predict import Setting, predict  # noqa: E402
 from shardlm.runtime.engine import LocalEngine  # noqa: E402
-from shardlm.runtime.sampling import SamplingParams  # noqa: E402
+from shardlm.runtime.messages import SamplingParams  # noqa: E402
 
 HEADING = "## Planner honesty: predicted vs measured (bench/plan_honesty.py)"
 PROMPT, NEW = 64, 64

@@ -38,7 +38,7 @@ from shardlm.models.random import write_random_checkpoint  # noqa: E402
 from shardlm.hardware import parse_size  # noqa: E402
 
 HEADING = "## Sharder memory on a checkpoint larger than half the RAM (bench/shard_memory.py)"
-SHARDLM = [sys.executable, "-m", "shardlm.cli"]
+SHARDLM = [sys.executable, "-m", "shardlm"]
 GiB = 2**30
 
 

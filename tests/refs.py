@@ -9,7 +9,7 @@ from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
 from shardlm.runtime.load import build_rank_model, shard_coord
-from shardlm.runtime.sampling import SamplingParams
+from shardlm.runtime.messages import SamplingParams
 from shardlm.runtime.step import Batch, attention_mask, generate, positions_for
 
 
@@ -57,7 +57,8 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, valid: torch.Tens
 def shardlm_stage_rank(rank: int, world: int, folder: str, prompts: list[list[int]], n_new: int, tp: int,
                        counts: list[int], micro_batches: int, sampling: SamplingParams = SamplingParams()):
     """On one rank of tp x len(counts) ranks: logits (last stage's rank 0 only), tokens and comms."""
-    from shardlm.parallel.pipeline import StageSpec, pipeline_context, stages_from_counts
+    from shardlm.parallel.stages import StageSpec, stages_from_counts
+    from shardlm.parallel.pipeline import pipeline_context
     from shardlm.runtime.pipeline_step import pipeline_generate, pipeline_logits
 
     family, args = args_for_config(read_config(folder))

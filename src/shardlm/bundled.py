@@ -16,10 +16,12 @@ import re
 import shutil
 import time
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from shardlm.paths import home
+
+if TYPE_CHECKING:  # numpy is imported where a conversion needs it, not by every command
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,7 @@ def read_metadata(reader) -> dict:
 
 def read_tensors(reader, meta: dict, progress: bool = True) -> dict[str, np.ndarray]:
     """Dequantize every GGUF tensor to float32 under its Hugging Face name."""
+    import numpy as np
     from gguf.quants import dequantize
     from rich.console import Console
     from rich.progress import Progress
@@ -223,6 +226,8 @@ def llama_config(meta: dict, tied: bool = True) -> dict:
 
 def float32_value(value: float) -> float:
     """Return the shortest decimal for a GGUF float32 (9.99999974e-06 becomes 1e-05)."""
+    import numpy as np
+
     return float(str(np.float32(value)))
 
 

@@ -60,7 +60,7 @@ def matmul_flops(n: int = 2048, rows: int = 512) -> float:
 def layer_overhead_s() -> float:
     """Seconds per decoder layer per decode step that do not scale with weights: tiny models of
     2 and 18 layers differ only by this fixed cost."""
-    from shardlm.runtime.sampling import SamplingParams
+    from shardlm.runtime.messages import SamplingParams
     from shardlm.runtime.step import Batch, generate
 
     def step_time(n_layers: int) -> float:
@@ -86,7 +86,7 @@ def rank_runtime_bytes() -> int:
     """Peak resident bytes of a real rank minus its weights and KV cache (Python, torch, gloo, buffers)."""
     from shardlm.models.random import write_random_checkpoint
     from shardlm.runtime.engine import LocalEngine
-    from shardlm.runtime.sampling import SamplingParams
+    from shardlm.runtime.messages import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(PRESETS["debug"], Path(tmp))

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.panel import Panel
 
 from shardlm.runtime.engine import RankFailure
-from shardlm.runtime.sampling import SamplingParams
+from shardlm.runtime.messages import SamplingParams
 from shardlm.runtime.session import GenerateOptions, UserError, prepare, run_generate
 from shardlm.runtime.text import StreamDecoder
 

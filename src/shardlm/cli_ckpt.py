@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from shardlm.cli import _fail, app, size_flag
-from shardlm.checkpoint.source import CheckpointError
+from shardlm.checkpoint.headers import CheckpointError
 from shardlm.models.args import ModelConfigError
 
 out = Console()

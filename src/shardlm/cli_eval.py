@@ -12,10 +12,10 @@ from rich.table import Table
 
 from shardlm import bundled
 from shardlm.cli import _fail, app, err
-from shardlm.checkpoint.source import CheckpointError
+from shardlm.checkpoint.headers import CheckpointError
 from shardlm.models.args import ModelConfigError, read_config
 from shardlm.models.registry import args_for_config, require_runnable
-from shardlm.quant import QuantizationError, check_kind
+from shardlm.quant_spec import QuantizationError, check_kind
 
 out = Console()
 DTYPES = ("float32", "bfloat16")

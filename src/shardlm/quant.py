@@ -40,31 +40,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ("int8", "int4")
-INT4_GROUP = 32
-"""Input columns per int4 scale/zero pair (the kernel accepts 32, 64, 128 or 256)."""
-INT8_ALIGN = 32
-"""The int8 kernel's input width must be a multiple of this."""
-QUANTIZED_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-
+from shardlm.quant_spec import INT4_GROUP, INT8_ALIGN
 
 ACT_DTYPE = torch.bfloat16
 """Dtype of the activations, scales and zeros inside the quantized matmuls."""
-
-
-class QuantizationError(ValueError):
-    """A quantization this model or device cannot run."""
-
-
-def check_kind(kind: str | None, device: str | torch.device = "cpu") -> None:
-    """Raise QuantizationError for an unknown kind or one `device` cannot run."""
-    if kind in (None, "none"):
-        return
-    if kind not in KINDS:
-        raise QuantizationError(f"--quantization {kind} is not supported; use none, int8 or int4")
-    if kind == "int4" and torch.device(device).type != "cpu":
-        raise QuantizationError(f"int4 weights run on CPU ranks only in this version (device {device}); "
-                                "use --quantization int8 on GPUs")
 
 
 @dataclass
@@ -235,11 +214,6 @@ def quantize_linear(module: nn.Module, kind: str, ctx=None) -> int:
     module.quant = qw
     module.weight = None
     return qw.nbytes()
-
-
-def is_quantizable(name: str) -> bool:
-    """True for the linear layers we quantize (attention and MLP projections, an untied LM head)."""
-    return name.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES
 
 
 def model_bytes(model: nn.Module) -> int:

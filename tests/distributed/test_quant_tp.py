@@ -11,7 +11,7 @@ from shardlm.models.random import write_random_checkpoint
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.launch import run_on_ranks
-from shardlm.parallel.tensor import param_slices
+from shardlm.parallel.styles import param_slices
 from shardlm.runtime.load import build_rank_model, shard_coord
 
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import hf_model
 from refs import hf_logits_and_tokens
 
-SHARDLM = [sys.executable, "-m", "shardlm.cli"]
+SHARDLM = [sys.executable, "-m", "shardlm"]
 
 
 def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -12,14 +12,14 @@ from safetensors.torch import load_file
 
 from shardlm.checkpoint.shard import shard, write_whole
 from shardlm.checkpoint.sharded import INFO_NAME, check_layout, read_info
-from shardlm.checkpoint.source import CheckpointError
+from shardlm.checkpoint.headers import CheckpointError
 from shardlm.checkpoint.verify import verify
 from shardlm.models.args import read_config
 from shardlm.models.presets import PRESETS
 from shardlm.models.random import write_random_checkpoint
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
-from shardlm.parallel.pipeline import StageSpec, stages_from_counts
+from shardlm.parallel.stages import StageSpec, stages_from_counts
 from shardlm.runtime.load import build_rank_model, shard_coord
 
 MB = 2**20

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from shardlm.plan.figure import compress_devices, draw_plan, memory_bars  # noqa: E402
-from shardlm.parallel.pipeline import even_stages, stages_from_counts  # noqa: E402
+from shardlm.parallel.stages import even_stages, stages_from_counts  # noqa: E402
 from shardlm.plan.layout import ParallelLayout  # noqa: E402
 from shardlm.plan.plan import (KVBudget, ModelRef, Offload, Performance, Plan, Predictions,  # noqa: E402
                                RankMemory)

@@ -6,7 +6,7 @@ import torch
 from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
-from shardlm.parallel.pipeline import StageSpec, auto_micro_batches, even_stages, micro_batch_rows, stages_from_counts
+from shardlm.parallel.stages import StageSpec, auto_micro_batches, even_stages, micro_batch_rows, stages_from_counts
 from shardlm.runtime.load import build_rank_model, shard_coord
 from shardlm.runtime.step import Batch, Outputs, attention_mask, positions_for
 

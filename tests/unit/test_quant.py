@@ -10,7 +10,8 @@ from shardlm.models.presets import PRESETS
 from shardlm.models.random import write_random_checkpoint
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
-from shardlm.quant import (INT4_GROUP, Int4Weight, QuantizationError, check_kind, model_bytes, quantize_int4,
+from shardlm.quant_spec import QuantizationError, check_kind
+from shardlm.quant import (INT4_GROUP, Int4Weight, model_bytes, quantize_int4,
                            quantize_int8)
 from shardlm.runtime.load import build_rank_model, shard_coord
 from shardlm.runtime.step import attention_mask, positions_for

@@ -8,11 +8,11 @@ from __future__ import annotations
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
-
-from shardlm.checkpoint.source import CheckpointError, CheckpointSource
-from shardlm.models.args import ModelArgs
+from shardlm.checkpoint.headers import CheckpointError, HeaderSource
+from shardlm.models.args import ModelArgs, read_config
+from shardlm.models.inventory import tensor_inventory
 from shardlm.models.registry import Family
+from shardlm.quant_spec import checkpoint_quantization, is_quantizable, stored_shapes
 
 
 def check_checkpoint(folder: Path, family: Family, args: ModelArgs, reader=None) -> None:
@@ -21,25 +21,16 @@ def check_checkpoint(folder: Path, family: Family, args: ModelArgs, reader=None)
     `reader` (anything with `names()` and `shape(name)`, e.g. a per-rank reader) replaces the
     folder's ordinary checkpoint files as the source of tensor names and shapes.
     """
-    from shardlm.checkpoint.quantized import checkpoint_quantization, stored_shapes
-    from shardlm.models.args import read_config
-    from shardlm.quant import is_quantizable
-
     kind = checkpoint_quantization(read_config(folder)) if (Path(folder) / "config.json").is_file() else None
-    with torch.device("meta"):
-        model = family.model_class(args)
-    tied = model.tied_weight_names()
     problems: list[str] = []
-    with CheckpointSource(folder) if reader is None else nullcontext(reader) as src:
+    with HeaderSource(folder) if reader is None else nullcontext(reader) as src:
         have = set(src.names())
         files = getattr(src, "files", {})
-        for name, param in model.named_parameters(remove_duplicate=False):
-            if name in tied:
-                continue
-            ck = family.checkpoint_name(name)
-            expected = {ck: tuple(param.shape)}
-            if kind and ck.endswith(".weight") and param.dim() == 2 and is_quantizable(ck.removesuffix(".weight")):
-                expected = stored_shapes(ck, tuple(param.shape), kind)
+        for t in tensor_inventory(args):  # every tensor the model reads; a tied head is the embedding
+            ck = family.checkpoint_name(t.name)
+            expected = {ck: t.shape}
+            if kind and ck.endswith(".weight") and len(t.shape) == 2 and is_quantizable(ck.removesuffix(".weight")):
+                expected = stored_shapes(ck, t.shape, kind)
             for want, want_shape in expected.items():
                 if want not in have:
                     problems.append(f"tensor {want!r} is missing")

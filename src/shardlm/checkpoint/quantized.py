@@ -15,37 +15,11 @@ codes per row, so a column range is always read as whole bytes).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from shardlm.models.args import ModelConfigError
 from shardlm.quant import (ACT_DTYPE, INT4_GROUP, Int4Weight, Int8Weight, int4_codes, int8_codes, pack_int4,
                            pack_int8)
 
-QUANT_METHOD = "shardlm"
-
-
-def checkpoint_quantization(cfg: dict[str, Any]) -> str | None:
-    """"int8"/"int4" for a shardlm-quantized checkpoint's config, None for a float one."""
-    qc = cfg.get("quantization_config")
-    if not qc:
-        return None
-    method = qc.get("quant_method")
-    if method != QUANT_METHOD:
-        raise ModelConfigError(f"config.json has quantization_config with quant_method {method!r}; shardlm reads "
-                               f"float checkpoints and its own ({QUANT_METHOD!r}, from `shardlm convert "
-                               "--quantization`); give the float checkpoint and quantize with --quantization")
-    bits, group = qc.get("bits"), qc.get("group_size", INT4_GROUP)
-    if bits not in (8, 4) or (bits == 4 and group != INT4_GROUP):
-        raise ModelConfigError(f"quantization_config bits {bits}, group_size {group} is not one shardlm writes "
-                               f"(8, or 4 with group_size {INT4_GROUP}); convert the float checkpoint again")
-    return "int8" if bits == 8 else "int4"
-
-
-def config_entry(kind: str) -> dict[str, Any]:
-    """The quantization_config a checkpoint of `kind` records."""
-    return {"quant_method": QUANT_METHOD, "bits": 8 if kind == "int8" else 4, "group_size": INT4_GROUP}
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -71,16 +45,6 @@ def stored_tensors(name: str, w: torch.Tensor, kind: str) -> dict[str, torch.Ten
     q, scale, zero, _, _ = int4_codes(w)
     return {name: pack_nibbles(q[:, :w.shape[1]]), f"{base}.weight_scale": scale.to(ACT_DTYPE),
             f"{base}.weight_zero": zero.to(ACT_DTYPE)}
-
-
-def stored_shapes(name: str, shape: tuple[int, int], kind: str) -> dict[str, tuple[int, ...]]:
-    """Shapes `stored_tensors` gives for a weight of logical `shape` (out, in)."""
-    out, k = shape
-    base = name.removesuffix(".weight")
-    if kind == "int8":
-        return {name: (out, k), f"{base}.weight_scale": (out,)}
-    groups = -(-k // INT4_GROUP)
-    return {name: (out, -(-k // 2)), f"{base}.weight_scale": (out, groups), f"{base}.weight_zero": (out, groups)}
 
 
 def read_quantized(src, name: str, kind: str, rows: slice, cols: slice, in_total: int) -> Int8Weight | Int4Weight:

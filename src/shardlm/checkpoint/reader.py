@@ -4,17 +4,16 @@
 resident set until the file is closed: at tp 4 a rank's peak RSS grew by the whole checkpoint,
 not by its quarter (measured on a 594 MB checkpoint: +710 MB per rank for 148 MB of weights).
 Positioned reads (`os.preadv`) into the destination tensor keep a rank's memory to what it owns.
-The format is simple: an 8-byte little-endian header length, a JSON header, then raw data.
+Headers are parsed and validated in headers.py (torch-free); this module adds the reads.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
-from pathlib import Path
 
 import torch
+
+from shardlm.checkpoint.headers import SafetensorsError, SafetensorsHeader
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -25,71 +24,8 @@ CHUNK_BYTES = 32 * 2**20
 """Largest buffer used when a slice is not contiguous in the file (column slices)."""
 
 
-class SafetensorsError(ValueError):
-    """A safetensors file whose header or size is inconsistent; names the file and the tensor."""
-
-
-class SafetensorsFile:
-    """Header of one safetensors file plus slice reads from an open descriptor."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.fd = os.open(self.path, os.O_RDONLY)
-        try:
-            self.size = os.fstat(self.fd).st_size
-            self.header, self.data_start = self._read_header()
-            self._validate()
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def _read_header(self) -> tuple[dict, int]:
-        raw = os.pread(self.fd, 8, 0)
-        if len(raw) < 8:
-            raise SafetensorsError(f"{self.path} is {self.size} bytes, too short for a safetensors header; "
-                                   "the file is truncated")
-        (n,) = struct.unpack("<Q", raw)
-        if 8 + n > self.size:
-            raise SafetensorsError(f"{self.path} declares a {n}-byte header but is only {self.size} bytes; "
-                                   "the file is truncated or not safetensors")
-        try:
-            header = json.loads(os.pread(self.fd, n, 8))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SafetensorsError(f"{self.path} has an unreadable header ({e}); the file is not safetensors") from e
-        header.pop("__metadata__", None)
-        return header, 8 + n
-
-    def _validate(self) -> None:
-        data_len = self.size - self.data_start
-        for name, info in self.header.items():
-            dtype = DTYPES.get(info.get("dtype"))
-            if dtype is None:
-                raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-            start, stop = info["data_offsets"]
-            numel = 1
-            for d in info["shape"]:
-                numel *= d
-            if stop - start != numel * dtype.itemsize or not 0 <= start <= stop:
-                raise SafetensorsError(f"{self.path}: tensor {name!r} header says offsets {start}..{stop} for "
-                                       f"shape {info['shape']} {info['dtype']}, which is {numel * dtype.itemsize} "
-                                       "bytes; the header lies about offsets")
-            if stop > data_len:
-                raise SafetensorsError(f"{self.path}: tensor {name!r} ends at byte {stop} of the data but the file "
-                                       f"holds {data_len}; the file is truncated")
-
-    def close(self) -> None:
-        """Close the descriptor (idempotent)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def keys(self) -> list[str]:
-        """Tensor names in this file."""
-        return list(self.header)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Shape of tensor `name`."""
-        return tuple(self.header[name]["shape"])
+class SafetensorsFile(SafetensorsHeader):
+    """Header of one safetensors file (see headers.py) plus slice reads from its open descriptor."""
 
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """The slice of tensor `name`; reads whole rows of the leading dimension, keeps only the slice."""

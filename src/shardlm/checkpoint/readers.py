@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from shardlm.checkpoint.sharded import is_sharded, read_info, read_rank_index
-from shardlm.checkpoint.source import CheckpointError, CheckpointSource
+from shardlm.checkpoint.headers import CheckpointError
+from shardlm.checkpoint.source import CheckpointSource
 
 
 class PlainReader:

@@ -16,8 +16,9 @@ from torch import nn
 from shardlm.models.args import ModelArgs
 from shardlm.models.registry import Family
 from shardlm.parallel.context import ParallelContext
-from shardlm.parallel.pipeline import StageSpec
-from shardlm.parallel.tensor import ShardCoord, Slices, param_slices, parallelize
+from shardlm.parallel.stages import StageSpec
+from shardlm.parallel.styles import ShardCoord, Slices, param_slices
+from shardlm.parallel.tensor import parallelize
 
 
 @dataclass(frozen=True)

@@ -24,17 +24,18 @@ import torch
 
 from shardlm.atomic import atomic_file
 from shardlm.checkpoint.check import check_checkpoint
-from shardlm.checkpoint.quantized import checkpoint_quantization, config_entry, stored_shapes, stored_tensors
+from shardlm.checkpoint.quantized import stored_tensors
 from shardlm.checkpoint.reads import param_reads, rank_meta_model
 from shardlm.checkpoint.readers import open_reader, source_identity
 from shardlm.checkpoint.sharded import INFO_NAME, ShardedInfo, rank_dir_name
-from shardlm.checkpoint.source import CheckpointError
-from shardlm.checkpoint.writer import INDEX_NAME, TMP_MARK, Entry, tmp_name, write_group
+from shardlm.checkpoint.headers import INDEX_NAME, CheckpointError
+from shardlm.checkpoint.writer import TMP_MARK, Entry, tmp_name, write_group
 from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config, require_runnable
-from shardlm.parallel.pipeline import StageSpec
-from shardlm.parallel.tensor import ShardCoord
-from shardlm.quant import ACT_DTYPE, is_quantizable
+from shardlm.parallel.stages import StageSpec
+from shardlm.parallel.styles import ShardCoord
+from shardlm.quant import ACT_DTYPE
+from shardlm.quant_spec import checkpoint_quantization, config_entry, is_quantizable, stored_shapes
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 

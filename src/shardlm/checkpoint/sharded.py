@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardlm.checkpoint.source import CheckpointError
-from shardlm.checkpoint.writer import INDEX_NAME
+from shardlm.checkpoint.headers import CheckpointError
+from shardlm.checkpoint.headers import INDEX_NAME
 
 INFO_NAME = "shardlm.json"
 FORMAT = "shardlm-per-rank"

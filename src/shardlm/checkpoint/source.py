@@ -6,86 +6,19 @@ positioned reads (`reader.SafetensorsFile`), so a rank never holds a tensor it d
 
 from __future__ import annotations
 
-import json
 import mmap
 from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.reader import DTYPES, SafetensorsError, SafetensorsFile
+from shardlm.checkpoint.headers import CheckpointError, HeaderSource, SafetensorsError
+from shardlm.checkpoint.reader import DTYPES, SafetensorsFile
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as the model needs; the message names file, tensor and fix."""
+class CheckpointSource(HeaderSource):
+    """Open handles on a checkpoint's files for the duration of a `with` block: names, shapes, reads."""
 
-
-def _open(path: Path) -> SafetensorsFile:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing; the index names it but it is not there")
-    try:
-        return SafetensorsFile(path)
-    except SafetensorsError as e:
-        raise CheckpointError(str(e)) from e
-
-
-def weight_files(folder: Path) -> dict[str, Path]:
-    """Map tensor name -> safetensors file, from the index JSON if present, else from file headers."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid index (needs a 'weight_map' object): {e}") from e
-        return {name: folder / fname for name, fname in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"{folder} holds no safetensors weights (model.safetensors or an indexed set of shards); "
-            "convert the checkpoint to safetensors first"
-        )
-    names: dict[str, Path] = {}
-    for f in files:
-        handle = _open(f)
-        names.update({name: f for name in handle.keys()})
-        handle.close()
-    return names
-
-
-class CheckpointSource:
-    """Open handles on a checkpoint's files for the duration of a `with` block."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.files = weight_files(self.folder)
-        self._handles: dict[Path, SafetensorsFile] = {}
-
-    def __enter__(self) -> "CheckpointSource":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles.values():
-            h.close()
-        self._handles.clear()
-
-    def _handle(self, name: str) -> SafetensorsFile:
-        if name not in self.files:
-            raise CheckpointError(f"checkpoint {self.folder} lacks tensor {name!r} that the model needs")
-        path = self.files[name]
-        if path not in self._handles:
-            self._handles[path] = _open(path)
-        handle = self._handles[path]
-        if name not in handle.header:
-            raise CheckpointError(f"{path} does not hold tensor {name!r} although the index says it does")
-        return handle
-
-    def names(self) -> list[str]:
-        """Every tensor name the checkpoint holds."""
-        return list(self.files)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Full shape of tensor `name` as recorded in its file header."""
-        return self._handle(name).shape(name)
+    handle_class = SafetensorsFile
 
     def dtype(self, name: str) -> torch.dtype:
         """Stored dtype of tensor `name`."""

@@ -14,15 +14,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardlm.checkpoint.reader import SafetensorsError, SafetensorsFile
+from shardlm.checkpoint.headers import SafetensorsError
+from shardlm.checkpoint.reader import SafetensorsFile
 from shardlm.checkpoint.reads import needed_names, param_reads, rank_meta_model
 from shardlm.checkpoint.sharded import INFO_NAME, is_sharded, looks_interrupted, read_info
-from shardlm.checkpoint.source import CheckpointError
-from shardlm.checkpoint.writer import INDEX_NAME
+from shardlm.checkpoint.headers import INDEX_NAME, CheckpointError
 from shardlm.models.args import ModelConfigError, read_config
 from shardlm.models.registry import args_for_config
-from shardlm.parallel.pipeline import StageSpec
-from shardlm.parallel.tensor import ShardCoord
+from shardlm.parallel.stages import StageSpec
+from shardlm.parallel.styles import ShardCoord
 
 MAX_SHOWN = 8
 

@@ -20,13 +20,13 @@ from typing import Callable
 import torch
 
 from shardlm.atomic import atomic_file
+from shardlm.checkpoint.headers import INDEX_NAME
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-INDEX_NAME = "model.safetensors.index.json"
 TMP_MARK = ".tmp-"
 
 

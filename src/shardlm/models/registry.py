@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from torch import nn
-
-from shardlm.models import llama
+from shardlm.models import llama_config
 from shardlm.models.args import ModelArgs, ModelConfigError
 from shardlm.models.presets import PRESETS
-from shardlm.parallel.tensor import Colwise, ColwiseHeads, Rowwise, RowwiseHeads, Style, VocabEmbedding, VocabHead
+from shardlm.parallel.styles import Colwise, ColwiseHeads, Rowwise, RowwiseHeads, Style, VocabEmbedding, VocabHead
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -21,14 +23,23 @@ class Family:
     architectures: tuple[str, ...]
     """Hugging Face `architectures` values this family runs."""
     args_from_hf: Callable[[dict[str, Any]], ModelArgs]
-    model_class: Callable[[ModelArgs], nn.Module] | None
-    """Single-device model; None for a family that is planned and inspected but not run yet."""
+    model_ref: str | None
+    """"module:Class" of the single-device model; None for a family that is planned and inspected
+    but not run yet. Imported on first use, so that reading configs and planning import no torch."""
     tp_plan: dict[str, Style]
     """Module-name pattern -> tensor-parallel style."""
     checkpoint_name: Callable[[str], str]
     """Model parameter name -> tensor name in the family's checkpoints."""
     presets: dict[str, dict[str, Any]]
     """Named HF-style configs (random-weight shapes for tests and benchmarks)."""
+
+    @property
+    def model_class(self) -> "Callable[[ModelArgs], nn.Module] | None":
+        """The single-device model class (imports it, and torch, on first use), or None."""
+        if self.model_ref is None:
+            return None
+        module, _, name = self.model_ref.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
 LLAMA_TP_PLAN: dict[str, Style] = {
@@ -57,8 +68,8 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(
         name="llama",
         architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
-        args_from_hf=llama.args_from_hf,
-        model_class=llama.LlamaForCausalLM,
+        args_from_hf=llama_config.args_from_hf,
+        model_ref="shardlm.models.llama:LlamaForCausalLM",
         tp_plan=LLAMA_TP_PLAN,
         checkpoint_name=lambda name: name,  # module names already follow HF checkpoints
         presets=LLAMA_PRESETS,
@@ -66,8 +77,8 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(
         name="mixtral",
         architectures=("MixtralForCausalLM",),
-        args_from_hf=llama.args_from_hf,
-        model_class=None,  # planned and inspected; the runtime does not run mixture-of-experts yet
+        args_from_hf=llama_config.args_from_hf,
+        model_ref=None,  # planned and inspected; the runtime does not run mixture-of-experts yet
         tp_plan=MIXTRAL_TP_PLAN,
         checkpoint_name=lambda name: name,
         presets={k: v for k, v in PRESETS.items() if "num_local_experts" in v},
@@ -100,7 +111,7 @@ def args_for_config(cfg: dict[str, Any]) -> tuple[Family, ModelArgs]:
 
 def require_runnable(family: Family, args: ModelArgs) -> None:
     """Raise ModelConfigError when the runtime cannot run this family yet (it can still be planned)."""
-    if family.model_class is None:
+    if family.model_ref is None:
         raise ModelConfigError(
             f"{args.architecture} ({family.name}, mixture-of-experts) can be inspected and planned, but the runtime "
             f"does not run it yet; runnable architectures: {', '.join(FAMILIES['llama'].architectures)}")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 def split_sizes(n: int, parts: int) -> list[int]:
     """Sizes of `parts` contiguous chunks of `n` items that differ by at most one (larger first)."""
@@ -63,11 +61,11 @@ class HeadSplit:
         a, b = self.q_range(rank)
         return a // self.group, (b - 1) // self.group + 1
 
-    def kv_map(self, rank: int) -> torch.Tensor:
+    def kv_map(self, rank: int) -> list[int]:
         """For each local query head, the index of the local KV head it reads."""
         a, b = self.q_range(rank)
         kv0 = self.kv_range(rank)[0]
-        return torch.tensor([h // self.group - kv0 for h in range(a, b)], dtype=torch.long)
+        return [h // self.group - kv0 for h in range(a, b)]
 
     def kv_replicas(self) -> int:
         """KV heads held in total across ranks minus the model's KV heads (the replication cost)."""

@@ -37,7 +37,7 @@ def inspect_model(name: str, family: Family, args: ModelArgs) -> dict[str, Any]:
     kv_token = {d: 2 * args.n_layers * args.n_kv_heads * args.head_dim * DTYPE_BYTES[d] for d in ("float32", "bfloat16")}
     return {
         "model": name, "architecture": args.architecture, "family": family.name,
-        "runnable": family.model_class is not None,
+        "runnable": family.model_ref is not None,
         "parameters": parameter_count(args),
         "shape": {"layers": args.n_layers, "hidden": args.dim, "heads": args.n_heads, "kv_heads": args.n_kv_heads,
                   "head_dim": args.head_dim, "intermediate": args.intermediate_size, "vocab": args.vocab_size,

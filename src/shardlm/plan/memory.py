@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from shardlm.models.args import ModelArgs
 from shardlm.models.inventory import TensorInfo, layer_tensors, outer_tensors
 from shardlm.parallel.split import HeadSplit, split_range
-from shardlm.parallel.tensor import ShardCoord, Style, param_slices
-from shardlm.quant import INT4_GROUP
+from shardlm.parallel.styles import ShardCoord, Style, param_slices
+from shardlm.quant_spec import INT4_GROUP
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

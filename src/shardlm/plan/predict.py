@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from shardlm.hardware import Cluster, Device
 from shardlm.models.args import ModelArgs
 from shardlm.parallel.split import HeadSplit
-from shardlm.parallel.tensor import Style
+from shardlm.parallel.styles import Style
 from shardlm.plan import memory as mem
 from shardlm.plan.cost import (BANDWIDTH_EFFICIENCY, FLOPS_EFFICIENCY, Rate, StageWork, p2p_s, pipeline_step_s,
                                stage_time)

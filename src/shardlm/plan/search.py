@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 
 from shardlm.hardware import Cluster, Device
 from shardlm.models.args import ModelArgs
-from shardlm.parallel.pipeline import stages_from_counts
+from shardlm.parallel.stages import stages_from_counts
 from shardlm.parallel.split import split_sizes
-from shardlm.parallel.tensor import Style
+from shardlm.parallel.styles import Style
 from shardlm.plan import memory as mem
 from shardlm.plan.balance import assign_layers
 from shardlm.plan.layout import ParallelLayout

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from shardlm.models.args import ModelArgs
-from shardlm.parallel.launch import free_port, threads_per_rank
-from shardlm.runtime.sampling import SamplingParams
-from shardlm.runtime.worker import Request, WorkerConfig, rank_main
+from shardlm.parallel.launch import store_listener, threads_per_rank
+from shardlm.runtime.messages import Request, SamplingParams, WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +34,14 @@ class RankFailure(RuntimeError):
         super().__init__(message)
         self.summary = summary or message
         self.user_error = user_error
+
+
+def _rank_main(cfg: WorkerConfig, requests, results, listener=None) -> None:
+    """The rank processes' entry point: torch and the model code are imported here, in the rank,
+    so that the driver never imports them (see runtime/messages.py)."""
+    from shardlm.runtime.worker import rank_main
+
+    rank_main(cfg, requests, results, listener)
 
 
 def _failure(msg: tuple) -> RankFailure:
@@ -97,18 +104,22 @@ class LocalEngine:
         self._requests, self._results = ctx.Queue(), ctx.Queue()
         world = self.world
         threads = self.threads or threads_per_rank(world)
-        port = free_port()
+        listener = store_listener()  # rank 0 serves the rendezvous store on it
+        port = listener.getsockname()[1]
         shm_bytes = SHM_SLOT_BYTES if self.shm and self.tp > 1 else 0
         self._procs = []
-        for rank in range(world):
-            cfg = WorkerConfig(rank, world, port, str(self.model_dir), self.family, self.args.to_dict(),
-                               self.dtype, threads, shm_bytes, self.timeout_s, self.tp, tuple(self.stage_layers),
-                               self.quantization, self.memory_budget, self.offload_dir, self.prefetch,
-                               tuple(self.stream_layers))
-            p = ctx.Process(target=rank_main, args=(cfg, self._requests, self._results), daemon=True,
-                            name=f"shardlm-rank{rank}")
-            p.start()
-            self._procs.append(p)
+        try:
+            for rank in range(world):
+                cfg = WorkerConfig(rank, world, port, str(self.model_dir), self.family, self.args.to_dict(),
+                                   self.dtype, threads, shm_bytes, self.timeout_s, self.tp, tuple(self.stage_layers),
+                                   self.quantization, self.memory_budget, self.offload_dir, self.prefetch,
+                                   tuple(self.stream_layers))
+                p = ctx.Process(target=_rank_main, args=(cfg, self._requests, self._results, listener if rank == 0 else None),
+                                daemon=True, name=f"shardlm-rank{rank}")
+                p.start()
+                self._procs.append(p)
+        finally:
+            listener.close()  # rank 0 holds its own copy
         ready = {}
         while len(ready) < world:
             kind, rank, payload = self._next()

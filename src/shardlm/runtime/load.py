@@ -9,17 +9,20 @@ import torch
 from torch import nn
 
 from shardlm.checkpoint.reads import param_reads, rank_meta_model
-from shardlm.checkpoint.source import CheckpointError, open_source
+from shardlm.checkpoint.headers import CheckpointError
+from shardlm.checkpoint.source import open_source
 from shardlm.kernels import FastLinear, prepare_linears
 from shardlm.models.args import ModelArgs
 from shardlm.models.registry import Family
 from shardlm.parallel.context import ParallelContext
-from shardlm.parallel.pipeline import StageSpec
-from shardlm.parallel.tensor import RowParallelLinear, ShardCoord
-from shardlm.checkpoint.quantized import checkpoint_quantization, read_quantized
+from shardlm.parallel.stages import StageSpec
+from shardlm.paths import default_offload_dir
+from shardlm.parallel.styles import ShardCoord, param_slices
+from shardlm.parallel.tensor import RowParallelLinear
+from shardlm.checkpoint.quantized import read_quantized
 from shardlm.models.args import read_config
-from shardlm.parallel.tensor import param_slices
-from shardlm.quant import QuantizationError, check_kind, is_quantizable, quantize_linear
+from shardlm.quant import quantize_linear
+from shardlm.quant_spec import QuantizationError, check_kind, checkpoint_quantization, is_quantizable
 from shardlm.runtime.offload import LayerStreamer, OffloadStore, plan_streaming, trim_heap
 
 
@@ -86,7 +89,7 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     if coord.tp > 1:
         for module in model.modules():
             if hasattr(module, "set_kv_map"):
-                module.set_kv_map(coord.heads.kv_map(coord.rank).tolist(), device)
+                module.set_kv_map(coord.heads.kv_map(coord.rank), device)
     model.eval().requires_grad_(False)
     trim_heap()  # what reading, converting and quantizing freed
     if torch.device(device).type == "cpu":
@@ -154,13 +157,6 @@ def _load_weights(model: nn.Module, folder, family: Family, args: ModelArgs, coo
                 quantize_linear(module, quantization, ctx if row_parallel else None)
         finish(current)
     return extents
-
-
-def default_offload_dir() -> Path:
-    """$SHARDLM_HOME/offload: where streamed layers go when --offload-dir is not given."""
-    from shardlm.paths import home
-
-    return home() / "offload"
 
 
 def _row_blocks(src, read, device, dtype, block_bytes: int = 8 * 2**20):

@@ -461,7 +461,7 @@ class LayerStreamer:
 def param_bytes(module_name: str, p: torch.Tensor, quantization: str | None, elem: int) -> int:
     """Bytes parameter `p` of module `module_name` will hold once loaded with `elem`-byte floats,
     a quantizable linear weight quantized as asked (with the kernels' padding)."""
-    from shardlm.quant import INT4_GROUP, INT8_ALIGN, is_quantizable
+    from shardlm.quant_spec import INT4_GROUP, INT8_ALIGN, is_quantizable
 
     if quantization not in ("int8", "int4") or p.dim() != 2 or not is_quantizable(module_name):
         return p.numel() * elem

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from shardlm.parallel.context import ParallelContext
-from shardlm.parallel.pipeline import micro_batch_rows
-from shardlm.runtime.sampling import SamplingParams, row_generators, sample
+from shardlm.parallel.stages import micro_batch_rows
+from shardlm.runtime.messages import SamplingParams
+from shardlm.runtime.sampling import row_generators, sample
 from shardlm.runtime.step import Batch, GenerationStats, Outputs, Rows, attention_mask, positions_for
 
 PREFILL, DECODE, STOP = 0, 1, 2

@@ -2,32 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen. temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    """Softmax temperature; 0 picks the most likely token."""
-    top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability adds up to at least top_p (0 < top_p <= 1)."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 keeps all."""
-    seed: int = 0
-    """Seed of the sampling generators (every rank uses it, so every rank draws the same token)."""
-
-    def validate(self) -> None:
-        """Raise ValueError naming the bad value and the accepted range."""
-        if not self.temperature >= 0:
-            raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"--top-k must be >= 0 (0 = no limit), got {self.top_k}")
+from shardlm.runtime.messages import SamplingParams
 
 
 def row_generators(seed: int, rows: int) -> list[torch.Generator]:

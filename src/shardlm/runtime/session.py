@@ -11,18 +11,18 @@ import psutil
 
 from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
-from shardlm.checkpoint.quantized import checkpoint_quantization
 from shardlm.checkpoint.sharded import check_layout, is_sharded
-from shardlm.checkpoint.source import CheckpointError
+from shardlm.checkpoint.headers import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
 from shardlm.models.inventory import tensor_inventory
 from shardlm.models.registry import Family, args_for_config, require_runnable
-from shardlm.parallel.pipeline import auto_micro_batches, even_stages, stages_from_counts
+from shardlm.parallel.stages import auto_micro_batches, even_stages, stages_from_counts
 from shardlm.parallel.split import split_sizes
+from shardlm.paths import default_offload_dir
 from shardlm.plan.memory import tensor_bytes
-from shardlm.quant import QuantizationError, check_kind
+from shardlm.quant_spec import QuantizationError, check_kind, checkpoint_quantization
 from shardlm.runtime.engine import GenerateResult, LocalEngine
-from shardlm.runtime.sampling import SamplingParams
+from shardlm.runtime.messages import SamplingParams
 from shardlm.runtime.text import encode_prompts, load_tokenizer, pad_id
 
 RANK_OVERHEAD_BYTES = 450 * 2**20
@@ -127,8 +127,6 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
 
 def check_offload_dir(folder: str | None) -> None:
     """Raise UserError unless streamed layers can be written to `folder` (created if missing)."""
-    from shardlm.runtime.load import default_offload_dir
-
     path = Path(folder) if folder else default_offload_dir()
     probe = path / f".shardlm-probe-{os.getpid()}"
     try:

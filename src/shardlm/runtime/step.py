@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from shardlm.runtime.kvcache import KVCache
-from shardlm.runtime.sampling import SamplingParams, row_generators, sample
+from shardlm.runtime.messages import SamplingParams
+from shardlm.runtime.sampling import row_generators, sample
 
 
 @dataclass

@@ -14,76 +14,29 @@ import ctypes
 import os
 import resource
 import signal
+import sys
 import time
 import traceback
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
 
-from shardlm.checkpoint.source import CheckpointError
+from shardlm.checkpoint.headers import CheckpointError
 from shardlm.models.args import ModelArgs, ModelConfigError
 from shardlm.models.registry import FAMILIES
 from shardlm.parallel.context import ParallelContext
-from shardlm.parallel.pipeline import StageSpec, pipeline_context
-from shardlm.quant import QuantizationError, model_bytes
+from shardlm.parallel.stages import StageSpec
+from shardlm.parallel.launch import join_group
+from shardlm.parallel.pipeline import pipeline_context
+from shardlm.quant import model_bytes
+from shardlm.quant_spec import QuantizationError
 from shardlm.runtime.load import build_rank_model, shard_coord
+from shardlm.runtime.messages import Request, WorkerConfig
 from shardlm.runtime.offload import OffloadError
-from shardlm.runtime.sampling import SamplingParams
 from shardlm.runtime.pipeline_step import pipeline_generate
 from shardlm.runtime.step import Batch, GenerationStats, generate
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a rank needs to start (picklable)."""
-
-    rank: int
-    world: int
-    port: int
-    model_dir: str
-    family: str
-    args: dict
-    dtype: str
-    threads: int
-    shm_bytes: int
-    """Slot size of the shared-memory transport for same-host collectives; 0 uses gloo only."""
-    timeout_s: float
-    tp: int = 0
-    """Ranks per pipeline stage (0: all ranks form one tensor-parallel group)."""
-    stage_layers: tuple = ()
-    """[start, stop) decoder layers of each pipeline stage; empty: one stage with every layer."""
-    quantization: str | None = None
-    """Weight-only quantization applied at load (None, "int8", "int4")."""
-    memory_budget: int | None = None
-    """Bytes of weights and read buffers this rank may hold; the layers beyond it stream from disk."""
-    offload_dir: str | None = None
-    """Folder for the streamed layers' scratch file (default $SHARDLM_HOME/offload)."""
-    prefetch: bool = True
-    """Read the next streamed layer while the current one computes."""
-    stream_layers: tuple = ()
-    """Per stage, how many of its last layers stream from disk (a manifest's offload.layers); overrides the budget."""
-
-    @property
-    def pp(self) -> int:
-        """Pipeline stages."""
-        return max(1, len(self.stage_layers))
-
-
-@dataclass(frozen=True)
-class Request:
-    """One generate call: a batch of tokenized prompts."""
-
-    prompts: list[list[int]]
-    max_new_tokens: int
-    sampling: SamplingParams
-    pad_id: int = 0
-    ignore_eos: bool = False
-    micro_batches: int = 1
-    """Micro-batches in flight through the pipeline stages (1 without pipeline parallelism)."""
 
 
 def _die_with_parent() -> None:
@@ -125,31 +78,37 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rank_main(cfg: WorkerConfig, requests, results) -> None:
+def rank_main(cfg: WorkerConfig, requests, results, listener=None) -> None:
     """Entry point of a rank process; reports errors with their traceback instead of raising."""
     _die_with_parent()
     _steady_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and stops every rank
+    code = 0
     try:
-        _serve(cfg, requests, results)
+        _serve(cfg, requests, results, listener)
     except BaseException as e:  # noqa: BLE001 - report every failure to the driver, then exit non-zero
         user_error = isinstance(e, (CheckpointError, ModelConfigError, QuantizationError, OffloadError))
         results.put(("error", cfg.rank, f"{type(e).__name__}: {e}", traceback.format_exc(), user_error))
-        results.close()
-        results.join_thread()  # flush the message before exiting
-        os._exit(1)
+        code = 1
+    results.close()
+    results.join_thread()  # flush the last messages before exiting
+    # Skip the interpreter's teardown: with torch loaded it took 0.5 s of every command's wall time
+    # (measured), and there is nothing left to clean up (scratch files, shared memory and the
+    # process group were closed by _serve).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
-def _setup(cfg: WorkerConfig) -> ParallelContext:
+def _setup(cfg: WorkerConfig, listener) -> ParallelContext:
     torch.set_num_threads(cfg.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg.port}", rank=cfg.rank,
-                            world_size=cfg.world, timeout=timedelta(seconds=cfg.timeout_s))
+    join_group(cfg.rank, cfg.world, cfg.port, listener, cfg.timeout_s)
     return pipeline_context(cfg.rank, cfg.tp or cfg.world, cfg.pp, cfg.shm_bytes, cfg.timeout_s)
 
 
-def _serve(cfg: WorkerConfig, requests, results) -> None:
+def _serve(cfg: WorkerConfig, requests, results, listener) -> None:
     t0 = time.perf_counter()
-    ctx = _setup(cfg)
+    ctx = _setup(cfg, listener)
     rss_before = psutil.Process().memory_info().rss
     family = FAMILIES[cfg.family]
     args = ModelArgs.from_dict(cfg.args)
