@@ -9,7 +9,8 @@ Time to first token at tp 2, each as a fresh command (Python and torch start-up 
 On the bundled SmolLM2-135M (float32) and on a random-weight Llama of about --big-gb GB (float32),
 page cache warm (every system runs once before the timed rounds), systems in rotating order.
 Also: MB/s of `shardlm shard` (ordinary -> tp 2) and `reshard` (tp 2 -> tp 3) against this disk's
-sequential read bandwidth (a 1 GB file read after dropping the page cache, when this user may).
+sequential read bandwidth (a 1 GB file read after dropping the page cache, when this user may) and
+its fsync'd write bandwidth.
 Target: (b) <= 0.5 x (c). Results replace this benchmark's section of bench/RESULTS.md.
 """
 
@@ -71,14 +72,18 @@ def drop_cache() -> bool:
         return False
 
 
-def disk_read_mb_s(folder: Path) -> tuple[float, bool]:
-    """Sequential read bandwidth of a 1 GB file in `folder` (cold if the cache could be dropped)."""
+def disk_mb_s(folder: Path) -> tuple[float, float, bool]:
+    """Sequential write (fsync'd) and read bandwidth of a 1 GB file in `folder`; the read is cold
+    if the page cache could be dropped (third value)."""
     path = folder / "readtest.bin"
+    block = os.urandom(16 * 2**20)
+    t0 = time.perf_counter()
     with open(path, "wb") as f:
         for _ in range(64):
-            f.write(os.urandom(16 * 2**20))
+            f.write(block)
         f.flush()
         os.fsync(f.fileno())
+    write = 1024 * 2**20 / 1e6 / (time.perf_counter() - t0)
     cold = drop_cache()
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
@@ -86,7 +91,7 @@ def disk_read_mb_s(folder: Path) -> tuple[float, bool]:
             pass
     secs = time.perf_counter() - t0
     path.unlink()
-    return 1024 * 2**20 / 1e6 / secs, cold
+    return write, 1024 * 2**20 / 1e6 / secs, cold
 
 
 def main() -> None:
@@ -105,7 +110,7 @@ def main() -> None:
             if f.name.startswith(("tokenizer", "special_tokens")):
                 shutil.copy(f, big / f.name)
         models[f"random Llama {opts.big_gb:.0f} GB"] = big
-        disk, cold = disk_read_mb_s(work)
+        write, disk, cold = disk_mb_s(work)
         rows = []
         for label, folder in models.items():
             ranks2 = work / f"{folder.name}-tp2"
@@ -129,7 +134,7 @@ def main() -> None:
                     say(f"  {label}: {k} {samples[k][-1]:.2f} s")
             med = {k: statistics.median(v) for k, v in samples.items()}
             rows.append((label, med, samples, s, r))
-        text = report(rows, disk, cold, opts)
+        text = report(rows, disk, write, cold, opts)
         print(text)
         if not opts.no_write:
             _decode.write_section(text, HEADING)
@@ -137,7 +142,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def report(rows, disk: float, cold: bool, opts) -> str:
+def report(rows, disk: float, write: float, cold: bool, opts) -> str:
     """The RESULTS.md section."""
     info = _decode.machine_info()
     lines = [HEADING, "",
@@ -146,16 +151,19 @@ def report(rows, disk: float, cold: bool, opts) -> str:
              f"torch {info['torch']}, transformers {info['transformers']}. Time to first token of a fresh command "
              "(interpreter and torch start-up included for every system), page cache warm, median of "
              f"{opts.rounds} rounds in rotating order. Disk sequential read: {disk:.0f} MB/s "
-             f"({'page cache dropped' if cold else 'page cache could not be dropped'}).", "",
+             f"({'page cache dropped' if cold else 'page cache could not be dropped'}); sequential write, fsync'd: "
+             f"{write:.0f} MB/s.", "",
              "| model | (a) slice HF ckpt, tp 2 | (b) per-rank files, tp 2 | (c) transformers | (b)/(c) | "
              "shard MB/s | reshard MB/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    rate = lambda v: f"{v:.0f} ({v / disk:.1f}x read, {v / write:.1f}x write)"  # noqa: E731
     for label, med, samples, s, r in rows:
         cell = lambda k: f"{med[k]:.2f} s ({min(samples[k]):.2f}-{max(samples[k]):.2f})"  # noqa: E731
         a, b, c = (k for k in med)
         lines.append(f"| {label} | {cell(a)} | {cell(b)} | {cell(c)} | {med[b] / med[c]:.2f} | "
-                     f"{s.mb_per_s:.0f} ({s.mb_per_s / disk:.1f}x disk) | {r.mb_per_s:.0f} ({r.mb_per_s / disk:.1f}x disk) |")
-    lines += ["", "shard/reshard MB/s count bytes written (the data read is the same size); a ratio above 1x disk means "
-              "the source was served from the page cache."]
+                     f"{rate(s.mb_per_s)} | {rate(r.mb_per_s)} |")
+    lines += ["", "shard/reshard MB/s count bytes written (the data read is the same size), each file fsync'd and "
+              "checksummed (sha256) before its rename; the source is in the page cache, so the disk's write "
+              "bandwidth is their ceiling."]
     return "\n".join(lines) + "\n"
 
 
