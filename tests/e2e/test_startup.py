@@ -41,3 +41,15 @@ def test_the_command_entry_point_imports_nothing_heavy():
     code = "import sys, shardlm.__main__; print(sorted(m for m in ('shardlm.cli', 'typer', 'rich', 'torch') if m in sys.modules))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
+def test_a_script_without_the_main_guard_is_told_why_its_ranks_died(tmp_path):
+    script = tmp_path / "noguard.py"
+    script.write_text("from shardlm.models.registry import args_for_config\n"
+                      "from shardlm.models.presets import PRESETS\n"
+                      "from shardlm.runtime.engine import LocalEngine\n"
+                      "fam, args = args_for_config(PRESETS['debug'])\n"
+                      f"LocalEngine({str(tmp_path)!r}, fam.name, args).start()\n")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "died with exit code 1 before it could report" in res.stderr and "__main__" in res.stderr, res.stderr[-3000:]

@@ -173,7 +173,10 @@ class LocalEngine:
                     pass
                 self.stop(force=True)
                 how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-                raise RankFailure(f"rank {rank} (pid {p.pid}) died with {how}; stopped every rank")
+                early = ("" if self.ready or p.exitcode < 0 else
+                         " before it could report; its own error is printed above (a script that starts a "
+                         "LocalEngine needs the `if __name__ == \"__main__\":` guard, as ranks are spawned)")
+                raise RankFailure(f"rank {rank} (pid {p.pid}) died with {how}{early}; stopped every rank")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
                  pad_id: int = 0, on_token: Callable[[list[int]], None] | None = None,
