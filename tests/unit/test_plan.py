@@ -107,3 +107,12 @@ def test_throughput_counts_max_batch_across_replicas():
     best = res.ranked[0].plan
     assert best.predictions.memory[0].kv_cache * best.layout.dp <= \
         max(c.plan.predictions.memory[0].kv_cache * c.plan.layout.tp for c in res.ranked)
+
+
+def test_more_cpu_ranks_than_cores_is_flagged_in_the_assumptions(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLM_HOME", str(tmp_path))
+    (tmp_path / "calibration.json").write_text('{"date": "2026-01-01", "cpu": {"cores": 2}}')
+    crowded = make_plan(_req("smollm2-135m", "4xcpu-1GB", seq=512, tp=4)).ranked[0].plan
+    assert any("4 ranks on 2 cores" in a for a in crowded.predictions.assumptions), crowded.predictions.assumptions
+    fits = make_plan(_req("smollm2-135m", "2xcpu-2GB", seq=512, tp=2)).ranked[0].plan
+    assert not any("ranks on 2 cores" in a for a in fits.predictions.assumptions)

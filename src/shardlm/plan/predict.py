@@ -207,6 +207,16 @@ def assumptions(st: Setting, layout: ParallelLayout, devs: dict[str, Device]) ->
                    f"{FLOPS_EFFICIENCY['cuda']:.0%} of peak FLOP/s in prefill; eager mode (no CUDA graphs)")
     if "cpu" in kinds:
         out.append("CPU ranks on one machine share its memory bandwidth and cores")
+        per_node: dict[int, int] = {}
+        for c in layout.coords():
+            per_node[devs[c.device].node] = per_node.get(devs[c.device].node, 0) + 1
+        for node, ranks in sorted(per_node.items()):
+            cores = st.cluster.nodes[node].cores
+            if st.cluster.nodes[node].shared_memory_bus and cores and ranks > cores:
+                out.append(f"node {node} runs {ranks} ranks on {cores} cores: ranks take turns on the cores and each "
+                           "collective waits for a descheduled peer, which this model underestimates (decode "
+                           "measured up to 50 % slower than predicted on 2 cores: bench/plan_honesty.py); "
+                           f"prefer at most {cores} ranks")
     out.append(f"decode reads a KV cache half full on average ({st.kv.max_seq_len // 2} of {st.kv.max_seq_len} "
                f"positions); prefill processes {st.kv.prefill_chunk} tokens per sequence per forward")
     if st.offload.tier != "none":
