@@ -8,7 +8,7 @@ import sys
 import pytest
 
 CHECK = """
-import json, sys
+import sys
 from shardlm.cli import app
 try:
     app({args!r}, standalone_mode=False)

@@ -195,10 +195,7 @@ class OffloadStore:
     def release(self, extent: "LayerExtent", uncache: bool = False) -> None:
         """Drop a layer's pages from this process's resident set; they stay in the page cache unless
         `uncache`, which evicts them from it too (the next use then reads the disk)."""
-        if self.map is not None:
-            self.map.madvise(mmap.MADV_DONTNEED, extent.offset, extent.nbytes)
-        if uncache:
-            os.posix_fadvise(self.fd, extent.offset, extent.nbytes, os.POSIX_FADV_DONTNEED)
+        self.release_range(extent.offset, extent.nbytes, uncache)
 
     def add_tensor(self, parts) -> tuple[int, int]:
         """Write one tensor, given as consecutive row blocks (an iterable of tensors), at a page
@@ -220,11 +217,13 @@ class OffloadStore:
     def release_range(self, offset: int, nbytes: int, uncache: bool = False) -> None:
         """Drop the pages of [offset, offset + nbytes) from this process's resident set (and from the
         page cache with `uncache`)."""
-        if self.map is not None and nbytes > 0:
-            start = offset // ALIGN * ALIGN
-            self.map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
-            if uncache:
-                os.posix_fadvise(self.fd, start, offset + nbytes - start, os.POSIX_FADV_DONTNEED)
+        if nbytes <= 0:
+            return
+        if self.map is not None:
+            self.madvise(offset, nbytes, mmap.MADV_DONTNEED)
+        if uncache:
+            start = offset - offset % ALIGN
+            os.posix_fadvise(self.fd, start, offset + nbytes - start, os.POSIX_FADV_DONTNEED)
 
     def add(self, module: nn.Module) -> LayerExtent:
         """Write a loaded layer's tensors to the file and drop them from memory (meta placeholders)."""
