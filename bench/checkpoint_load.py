@@ -72,26 +72,32 @@ def drop_cache() -> bool:
         return False
 
 
-def disk_mb_s(folder: Path) -> tuple[float, float, bool]:
-    """Sequential write (fsync'd) and read bandwidth of a 1 GB file in `folder`; the read is cold
-    if the page cache could be dropped (third value)."""
-    path = folder / "readtest.bin"
-    block = os.urandom(16 * 2**20)
+def disk_bandwidth(folder: Path, mib: int = 1024) -> dict[str, float | None]:
+    """MB/s of a `mib` MiB file in `folder`: sequential write (fsync'd), sequential read with the page
+    cache warm (median of 5), and with it dropped ("cold": None when this user may not drop it)."""
+    path = folder / "bw.bin"
+    chunk = os.urandom(16 * 2**20)
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        for _ in range(64):
-            f.write(block)
+        for _ in range(mib // 16):
+            f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
-    write = 1024 * 2**20 / 1e6 / (time.perf_counter() - t0)
-    cold = drop_cache()
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.read(16 * 2**20):
-            pass
-    secs = time.perf_counter() - t0
+    write = mib * 2**20 / 1e6 / (time.perf_counter() - t0)
+
+    def read() -> float:
+        buf = bytearray(16 * 2**20)
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+        return mib * 2**20 / 1e6 / (time.perf_counter() - t0)
+
+    read()
+    warm = statistics.median(read() for _ in range(5))
+    cold = read() if drop_cache() else None
     path.unlink()
-    return write, 1024 * 2**20 / 1e6 / secs, cold
+    return {"write": write, "warm": warm, "cold": cold}
 
 
 def main() -> None:
@@ -110,7 +116,8 @@ def main() -> None:
             if f.name.startswith(("tokenizer", "special_tokens")):
                 shutil.copy(f, big / f.name)
         models[f"random Llama {opts.big_gb:.0f} GB"] = big
-        write, disk, cold = disk_mb_s(work)
+        bw = disk_bandwidth(work)
+        write, disk, cold = bw["write"], bw["cold"] or bw["warm"], bw["cold"] is not None
         rows = []
         for label, folder in models.items():
             ranks2 = work / f"{folder.name}-tp2"

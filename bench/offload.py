@@ -26,13 +26,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import decode as _decode  # noqa: E402
-from checkpoint_load import drop_cache  # noqa: E402
+from checkpoint_load import disk_bandwidth  # noqa: E402
 
 from shardlm.bundled import default_model_dir  # noqa: E402
 
@@ -61,31 +60,6 @@ with torch.inference_mode():
 print(json.dumps({"decode_s": stamps[-1] - stamps[0], "steps": len(stamps), "placed": placed,
                   "tokens": out[0, ids.shape[1]:].tolist()}))
 """.replace("PROMPT", repr(PROMPT))
-
-
-def read_bandwidth(folder: Path, mib: int = 512) -> dict[str, float]:
-    """Sequential read MB/s of a file in `folder`: page cache warm, and dropped (if this user may)."""
-    path = folder / "bw.bin"
-    chunk = os.urandom(16 * 2**20)
-    with open(path, "wb") as f:
-        for _ in range(mib // 16):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-
-    def once() -> float:
-        buf = bytearray(16 * 2**20)
-        t0 = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-        return mib * 2**20 / 1e6 / (time.perf_counter() - t0)
-
-    once()
-    warm = statistics.median(once() for _ in range(5))
-    cold = once() if drop_cache() else None
-    path.unlink()
-    return {"warm": warm, "cold": cold}
 
 
 def shardlm_run(budget: int, offload: Path, new: int, prefetch: bool, uncached: bool = False) -> dict:
@@ -129,7 +103,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="shardlm-offload-", dir=os.environ.get("TMPDIR", "/tmp")))
     threads = os.cpu_count() or 1
     try:
-        bw = read_bandwidth(work)
+        bw = disk_bandwidth(work, mib=512)
         say(f"read bandwidth of {work}: warm {bw['warm']:.0f} MB/s, cold {bw['cold'] or 0:.0f} MB/s")
         systems = {
             "shardlm, prefetch": lambda: shardlm_run(budget, work / "s", opts.new, True),
