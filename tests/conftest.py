@@ -51,6 +51,12 @@ def make_random_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
                                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # HF initializes biases to 0 and norm weights to 1, which would hide a bias
+        for pname, p in model.named_parameters():  # or a norm weight that is never applied
+            if pname.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
     model.save_pretrained(folder)
     return folder
 

@@ -3,11 +3,12 @@
 A decode step multiplies every weight matrix by one (or a few) activation rows, so it is bound by
 how fast weights stream from memory. Measured on our 2-core machine (fp32, 2 threads, the bundled
 model's 210 linear weights; bench/RESULTS.md): `F.linear` (MKL) ~11 GB/s, oneDNN with pre-packed
-weights ~14-17 GB/s, and the small row-streaming loop in `csrc/gemv.cpp` ~26 GB/s. So:
+weights ~14-17 GB/s, and the small row-streaming loop in `csrc/kernels.cpp` ~26 GB/s. So:
 
 - "gemv" (default when a C++ compiler is present): weights stay plain; up to GEMV_MAX_ROWS rows
   go through the compiled loop (built once per machine with torch's JIT extension builder, cached
-  under $SHARDLM_HOME/kernels), larger inputs (prefill) through `F.linear`.
+  under $SHARDLM_HOME/kernels), larger inputs (prefill) through `F.linear`. The same extension
+  holds the fused decode step of a whole block (`shardlm.fused`, csrc/decode.h).
 - "onednn" (fallback): weights are re-laid out once for oneDNN, replacing the plain copy.
 - "torch": plain `F.linear` everywhere.
 """
@@ -52,8 +53,10 @@ def gemv_module():
 
             from shardlm.paths import home
 
-            src = Path(__file__).parent / "csrc" / "gemv.cpp"
-            name = f"shardlm_gemv_{_cpu_tag()}_{hashlib.sha1(src.read_bytes()).hexdigest()[:8]}"
+            csrc = Path(__file__).parent / "csrc"
+            src = csrc / "kernels.cpp"
+            digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(csrc.iterdir()) if p.suffix in (".cpp", ".h")))
+            name = f"shardlm_kernels_{_cpu_tag()}_{digest.hexdigest()[:8]}"
             build = home() / "kernels" / name
             build.mkdir(parents=True, exist_ok=True)
             _GEMV = load(name, [str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(build),

@@ -105,6 +105,18 @@ def test_tokenizer_and_chat_template(model_dir):
     assert "chat_template" in json.loads((model_dir / "tokenizer_config.json").read_text())
 
 
+@pytest.mark.parametrize("special", [True, False])
+def test_fast_tokenizer_matches_transformers(model_dir, special):
+    from transformers import AutoTokenizer
+
+    from shardlm.runtime.text import FastTokenizer
+
+    ref, fast = AutoTokenizer.from_pretrained(str(model_dir)), FastTokenizer(model_dir)
+    text = "It was the best of times, <|im_start|> it was the worst of times."
+    assert fast(text, add_special_tokens=special)["input_ids"] == ref(text, add_special_tokens=special).input_ids
+    assert fast.eos_token_id == ref.eos_token_id and fast.pad_token_id == ref.pad_token_id
+
+
 def test_greedy_paris(model_dir):
     from transformers import AutoTokenizer, LlamaForCausalLM
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm import fused
 from shardlm.models.args import ModelArgs
 from shardlm.runtime.kvcache import KVCache
 
@@ -144,7 +145,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x, cos, sin, mask, cache):
-        """One block; shapes as in `Attention.forward`."""
+        """One block; shapes as in `Attention.forward`. A CPU decode step may run fused (shardlm.fused)."""
+        if fused.ready(self, x, mask, cache):
+            return fused.decode_layer(self, x, cos, sin, mask, cache)
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 

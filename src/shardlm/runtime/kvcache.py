@@ -24,12 +24,17 @@ class KVCache:
     def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (b, h, s, hd) at slots [offset, offset+s); return all filled slots (b, h, t, hd)."""
         s = k.shape[2]
-        end = self.offset + s
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} tokens; this step needs {end}. Raise max_len.")
+        end = self.check_room(s)
         self.k[layer_id][:, :, self.offset:end] = k
         self.v[layer_id][:, :, self.offset:end] = v
         return self.k[layer_id][:, :, :end], self.v[layer_id][:, :, :end]
+
+    def check_room(self, s: int) -> int:
+        """The end slot after writing s more tokens; ValueError when the cache cannot hold them."""
+        end = self.offset + s
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; this step needs {end}. Raise max_len.")
+        return end
 
     def advance(self, s: int) -> None:
         """Mark s more slots as filled (called once per forward, after the last layer)."""

@@ -94,9 +94,10 @@ class FastTokenizer:
             ids = ids + [eos] if add_eos and not has else (ids[:-1] if not add_eos and has else ids)
         return ids
 
-    def __call__(self, text: str) -> dict:
-        """{"input_ids": ids} like a Hugging Face tokenizer."""
-        return {"input_ids": self.encode(text)}
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        """{"input_ids": ids} like a Hugging Face tokenizer; no BOS/EOS with add_special_tokens=False."""
+        ids = self.encode(text) if add_special_tokens else self.tok.encode(text, add_special_tokens=False).ids
+        return {"input_ids": ids}
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of `ids`."""

@@ -1,4 +1,7 @@
-// Matrix-vector products for decode: y[b, n] = sum_k x[b, k] * w[n, k] for a few rows b.
+// The compiled CPU decode kernels (one extension module, built once per machine by shardlm.kernels):
+// `gemv` here, and the fused attention / MLP halves of a block in decode.h.
+//
+// gemv: y[b, n] = sum_k x[b, k] * w[n, k] for a few rows b.
 //
 // One decode step multiplies each weight matrix by one (or a few) activation rows, so the work is
 // bound by streaming the weights from memory. The library kernels available to PyTorch on CPU
@@ -9,39 +12,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
-#include <cstring>
 
-namespace {
+#include "decode.h"
+#include "rows.h"
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-template <typename W>
-inline float load(const W* p, int64_t i);
-template <>
-inline float load<float>(const float* p, int64_t i) { return p[i]; }
-template <>
-inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-
-template <typename W>
-void rows(const W* w, const float* x, float* y, int64_t n, int64_t k, int64_t b, int64_t lo, int64_t hi) {
-  for (int64_t r = lo; r < hi; ++r) {
-    const W* row = w + r * k;
-    for (int64_t j = 0; j < b; ++j) {
-      const float* xv = x + j * k;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < k; ++i) acc += load<W>(row, i) * xv[i];
-      y[j * n + r] = acc;
-    }
-  }
-}
-
-}  // namespace
+using shardlm::rows;
 
 // x (..., k) float32 or bfloat16; w (n, k) float32 or bfloat16 contiguous -> (..., n) in x's dtype.
 // Accumulates in float32. One call per linear layer keeps the per-layer Python overhead small.
@@ -67,4 +42,8 @@ torch::Tensor gemv(torch::Tensor x_in, torch::Tensor w) {
   return y.view(lead).to(x_in.scalar_type());
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gemv", &gemv, "decode matrix-vector product"); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "decode matrix-vector product");
+  m.def("attn_decode", &shardlm::attn_decode, "attention half of a block for one new token per row");
+  m.def("mlp_decode", &shardlm::mlp_decode, "MLP half of a block up to the down projection");
+}
