@@ -10,9 +10,9 @@ Measured per round, systems in a rotating order so that load from other processe
   decode tokens/s at batch 1 and batch 8 (prompts of PROMPT_LEN tokens, --new-tokens new tokens each,
   EOS disabled so every row runs every step), prefill tokens/s of a PREFILL_LEN-token prompt at batch 1,
   and the memory bandwidth of this process on the same threads (a sum over a buffer far larger than the
-  caches, and a copy counted as bytes read), taken right after shardlm tp1's batch-1 decode sample: this
-  VM's bandwidth moves by up to 2x between minutes, so each round's decode is compared with the floor of
-  its own moment. Tables report the median over rounds (min-max beside it).
+  caches, and a copy counted as bytes read), taken right before and right after shardlm tp1's batch-1
+  decode sample: this VM's bandwidth moves by up to 2x from one second to the next (33 <-> 60 GB/s
+  seen), so each round's decode is compared with the floor of its own moment. Tables report the median over rounds (min-max beside it).
 
 Decode time, defined the same way for both:
   shardlm: GenerateResult.decode_s, timed on rank 0 from after the prefill forward to the last token,
@@ -344,22 +344,31 @@ def run_rounds(systems, work: Workload, rounds: int, new: int, gate: QuietGate, 
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for system in order:
             for metric in system.metrics:
-                share, (value, extra) = gate.measure(lambda: run_metric(system, metric, work, new))
+                paired = (system.label, metric) == PAIRED  # the floor of this very sample: the VM's memory
+                before = _bandwidth(gate, r, rounds, say, "before") if paired else None  # bandwidth moves
+                share, (value, extra) = gate.measure(lambda: run_metric(system, metric, work, new))  # by seconds
                 samples.setdefault((system.label, metric), []).append(Sample(value, share, extra))
                 say(f"round {r + 1}/{rounds}  {system.label:<22} {metric:<11} {value:8.1f} tok/s  "
                     f"(other processes: {share:.0%} of the cores; waited/discarded {gate.waited_s:.0f} s so far)")
-                if (system.label, metric) == PAIRED:  # the floor of this very sample: the VM's memory
-                    bandwidth.append(_bandwidth(gate, r, rounds, say))  # bandwidth moves from minute to minute
+                if paired:
+                    after = _bandwidth(gate, r, rounds, say, "after")
+                    bandwidth.append({k: (before[k] + after[k]) / 2 for k in after} |
+                                     {"spread": (before["read"], after["read"])})
         if len(bandwidth) == r:  # no tp1 batch-1 sample this round
             bandwidth.append(_bandwidth(gate, r, rounds, say))
     return samples, bandwidth
 
 
-def _bandwidth(gate: QuietGate, r: int, rounds: int, say) -> dict:
+def _spread(b: dict) -> str:
+    """A round's read bandwidth, with its before/after readings when it has them."""
+    return f"{b['read']:.1f}" + (f" ({b['spread'][0]:.1f}/{b['spread'][1]:.1f})" if "spread" in b else "")
+
+
+def _bandwidth(gate: QuietGate, r: int, rounds: int, say, when: str = "") -> dict:
     share, bw = gate.measure(measure_bandwidth)
     bw["foreign"] = share
-    say(f"round {r + 1}/{rounds}  memory bandwidth: sum {bw['read']:.1f} GB/s, copy {bw['copy']:.1f} GB/s read "
-        f"(other processes: {share:.0%})")
+    say(f"round {r + 1}/{rounds}  memory bandwidth {when}: sum {bw['read']:.1f} GB/s, copy {bw['copy']:.1f} GB/s "
+        f"read (other processes: {share:.0%})")
     return bw
 
 
@@ -423,7 +432,7 @@ def summarize(systems, samples, bandwidth, wbytes: dict[str, int]) -> dict:
     targets = [
         ("tp1 decode >= 1.2x transformers (batch 1)", tp1 / hf, 1.2, "x", ""),
         ("tp1 decode >= 60% of the bandwidth floor (batch 1)", statistics.median(paired), 0.6, "%",
-         "median over rounds of the sample / the floor measured right after it: "
+         "median over rounds of the sample / the floor measured around it: "
          + ", ".join(f"{x:.0%}" for x in paired) + f"; median tok/s / median floor {tp1 / floor:.0%}, "
          f"{tp1 / floor_low:.0%} against the lowest round's floor"),
         ("tp2 decode >= 0.8x tp1 (batch 1)", tp2 / tp1, 0.8, "x", ""),
@@ -474,9 +483,10 @@ def markdown(cfg: dict) -> str:
     out += ["", f"Bandwidth floor (batch 1 decode): weights {cfg['wbytes']['float32'] / 1e6:.1f} MB float32 "
                 f"({cfg['wbytes']['bfloat16'] / 1e6:.1f} MB bfloat16; all parameters, the tied embedding once) "
                 f"streamed once per step. Measured read bandwidth (`big.sum()` over 1 GiB, {cfg['threads']} threads) "
-                f"{s['read_bw'] / 1e9:.1f} GB/s (median of the rounds' medians of 10 passes, each taken right "
-                "after that round's shardlm tp1 batch-1 decode sample; rounds: "
-                + ", ".join(f"{b['read']:.1f}" for b in cfg["bandwidth"]) + "), copy (`b.copy_(a)`, 512 MiB, counted "
+                f"{s['read_bw'] / 1e9:.1f} GB/s (median over rounds; each round's figure is the mean of two medians "
+                "of 10 passes, taken right before and right after its shardlm tp1 batch-1 decode sample; rounds, "
+                "before/after: "
+                + ", ".join(_spread(b) for b in cfg["bandwidth"]) + "), copy (`b.copy_(a)`, 512 MiB, counted "
                 f"as bytes read) {s['copy_bw'] / 1e9:.1f} GB/s. Floor: **{s['floor']:.1f} tok/s float32** "
                 f"({s['floor_low']:.1f} from the lowest round, {s['floor_copy']:.1f} from the copy bandwidth), "
                 f"{s['floor_bf16']:.1f} tok/s bfloat16.", "",

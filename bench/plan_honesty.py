@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/plan_honesty.py [--calibrate] [--no-write]
 `--calibrate` measures this machine first, in the same run (what `shardlm calibrate` does, and
-written where it writes): this VM's memory bandwidth moves by a third from hour to hour, so a
-calibration from another time compares two different machines. Without it the saved calibration is
-used.
+written where it writes), and re-measures the decode bandwidth before each round: this VM's memory
+bandwidth moves by up to 2x from minute to minute (33 <-> 60 GB/s seen), so a calibration from
+another moment compares two different machines. Without it the saved calibration is used.
+Every layout is measured `--rounds` times (default 3), interleaved; the table gives medians.
 It runs the bundled SmolLM2-135M and a random-weight 600 MB Llama at tp 1..4 (float32, batch 1,
 64-token prompt, 64 new tokens), predicts each with the planner for the same layout, and writes
 the "Planner honesty" section of bench/RESULTS.md. Targets: memory within 10 %, decode within 25 %.
@@ -16,6 +17,7 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -57,39 +59,74 @@ def measured(folder: Path, tp: int):
     return [r["peak_rss_bytes"] for r in result.ranks], result.decode_tokens / result.decode_s
 
 
-def run(models: dict[str, Path], tps: list[int]) -> list[dict]:
+def run(models: dict[str, Path], tps: list[int], rounds: int, rebandwidth: bool) -> list[dict]:
+    """Every (model, tp) once per round, in the same order; with `rebandwidth` each round first
+    re-measures the decode bandwidth into the calibration (the rest of it is kept)."""
     rows = []
-    for name, folder in models.items():
-        for tp in tps:
-            pred, calibrated = predicted(folder, tp)
-            rss, tps_meas = measured(folder, tp)
-            for m, r in zip(pred.memory, rss):
-                rows.append({"model": name, "tp": tp, "rank": m.rank, "pred_mem": m.total, "meas_mem": r,
-                             "pred_tps": pred.performance.single_stream_tokens_per_s, "meas_tps": tps_meas,
-                             "calibrated": calibrated})
-            print(f"{name} tp{tp}: memory {[round(m.total / 2**20) for m in pred.memory]} vs "
-                  f"{[round(r / 2**20) for r in rss]} MiB; decode {rows[-1]['pred_tps']:.1f} vs {tps_meas:.1f} tok/s",
-                  flush=True)
+    for r in range(rounds):
+        if rebandwidth:
+            _remeasure_bandwidth()
+        for name, folder in models.items():
+            for tp in tps:
+                pred, calibrated = predicted(folder, tp)
+                rss, tps_meas = measured(folder, tp)
+                for m, peak in zip(pred.memory, rss):
+                    rows.append({"round": r, "model": name, "tp": tp, "rank": m.rank, "pred_mem": m.total,
+                                 "meas_mem": peak, "pred_tps": pred.performance.single_stream_tokens_per_s,
+                                 "meas_tps": tps_meas, "calibrated": calibrated,
+                                 "bandwidth": hardware.read_calibration()["cpu"]["bandwidth"] if calibrated else None})
+                print(f"round {r + 1}/{rounds} {name} tp{tp}: memory {[round(m.total / 2**20) for m in pred.memory]} vs "
+                      f"{[round(x / 2**20) for x in rss]} MiB; decode {rows[-1]['pred_tps']:.1f} vs {tps_meas:.1f} tok/s",
+                      flush=True)
     return rows
 
 
-def section(rows: list[dict], cmd: str) -> str:
+def _remeasure_bandwidth() -> None:
+    from shardlm.calibrate import decode_bandwidth, write_calibration
+
+    cal = hardware.read_calibration()
+    cal["cpu"]["bandwidth"] = decode_bandwidth()
+    write_calibration(cal)
+    print(f"  decode bandwidth now {cal['cpu']['bandwidth'] / 1e9:.1f} GB/s", flush=True)
+
+
+def merged(rows: list[dict]) -> list[dict]:
+    """One row per (model, tp, rank): medians over rounds, with each round's decode pair kept."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["tp"], row["rank"]), []).append(row)
+    out = []
+    for rs in groups.values():
+        med = lambda key: statistics.median(x[key] for x in rs)  # noqa: E731
+        out.append({**rs[0], "pred_mem": med("pred_mem"), "meas_mem": med("meas_mem"), "pred_tps": med("pred_tps"),
+                    "meas_tps": med("meas_tps"), "round_errors": [x["pred_tps"] / x["meas_tps"] - 1 for x in rs],
+                    "bandwidths": [x["bandwidth"] for x in rs]})
+    return out
+
+
+def section(rows: list[dict], cmd: str, rounds: int) -> str:
     cal = hardware.read_calibration()
     mem_err = [abs(r["pred_mem"] / r["meas_mem"] - 1) for r in rows]
     tps_err = [abs(r["pred_tps"] / r["meas_tps"] - 1) for r in rows if r["rank"] == 0]
+    bws = sorted({b for r in rows for b in r["bandwidths"] if b})
     out = [HEADING, "",
            f"Command: `{cmd}` on {datetime.date.today()}, {platform.machine()} with {os.cpu_count()} cores. "
            f"Calibration: {cal['date'] + ' ' + str({k: round(v, 6) for k, v in cal['cpu'].items()}) if cal else 'none (defaults)'}.",
-           f"Float32, batch 1, {PROMPT}-token prompt, {NEW} new tokens. Memory: planner total per rank vs the rank's "
-           "peak RSS (VmHWM). Decode: planner single-stream tok/s vs measured.", "",
-           "| model | tp | rank | predicted MiB | measured MiB | error | predicted tok/s | measured tok/s | error |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           f"Float32, batch 1, {PROMPT}-token prompt, {NEW} new tokens, {rounds} rounds (every layout once per round, "
+           "same order); the table gives medians over rounds. Memory: planner total per rank vs the rank's peak RSS "
+           "(VmHWM). Decode: planner single-stream tok/s vs measured."
+           + (f" Each round first re-measured the decode bandwidth the planner predicts from (this VM's memory "
+              f"bandwidth moves by up to 2x from minute to minute): {', '.join(f'{b / 1e9:.1f}' for b in bws)} GB/s."
+              if bws and len(rows) and len(rows[0]["bandwidths"]) > 1 else ""), "",
+           "| model | tp | rank | predicted MiB | measured MiB | error | predicted tok/s | measured tok/s | error | "
+           "error per round |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         first = r["rank"] == 0
         out.append(f"| {r['model']} | {r['tp']} | {r['rank']} | {r['pred_mem'] / 2**20:.0f} | {r['meas_mem'] / 2**20:.0f} "
                    f"| {r['pred_mem'] / r['meas_mem'] - 1:+.1%} | "
-                   + (f"{r['pred_tps']:.1f} | {r['meas_tps']:.1f} | {r['pred_tps'] / r['meas_tps'] - 1:+.1%} |" if first
-                      else " | | |"))
+                   + (f"{r['pred_tps']:.1f} | {r['meas_tps']:.1f} | {r['pred_tps'] / r['meas_tps'] - 1:+.1%} | "
+                      + ", ".join(f"{e:+.0%}" for e in r["round_errors"]) + " |" if first else " | | | |"))
     cores = os.cpu_count() or 1
     fit = [abs(r["pred_tps"] / r["meas_tps"] - 1) for r in rows if r["rank"] == 0 and r["tp"] <= cores]
     out += ["", f"Largest memory error {max(mem_err):.1%} (target 10 %: {'met' if max(mem_err) <= 0.10 else 'NOT met'}); "
@@ -102,7 +139,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md as it is")
     ap.add_argument("--tp", default="1,2,3,4", help="tp degrees to run")
-    ap.add_argument("--calibrate", action="store_true", help="measure this machine first, in this run")
+    ap.add_argument("--calibrate", action="store_true", help="measure this machine first, in this run, and "
+                    "re-measure its decode bandwidth before every round")
+    ap.add_argument("--rounds", type=int, default=3, help="times every layout is measured (medians reported)")
     a = ap.parse_args()
     if a.calibrate:
         from shardlm.calibrate import calibrate, write_calibration
@@ -111,8 +150,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         wide = write_random_checkpoint(WIDE, Path(tmp) / "wide")
         models = {"SmolLM2-135M (bundled)": bundled.resolve_model(None), "random Llama 155M (wide)": wide}
-        rows = run(models, [int(x) for x in a.tp.split(",")])
-    text = section(rows, "python bench/plan_honesty.py" + (" --calibrate" if a.calibrate else ""))
+        rows = merged(run(models, [int(x) for x in a.tp.split(",")], a.rounds, a.calibrate))
+    text = section(rows, "python bench/plan_honesty.py" + (" --calibrate" if a.calibrate else ""), a.rounds)
     print(text)
     if not a.no_write:
         _decode.write_section(text, HEADING)

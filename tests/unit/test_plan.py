@@ -116,3 +116,21 @@ def test_more_cpu_ranks_than_cores_is_flagged_in_the_assumptions(tmp_path, monke
     assert any("4 ranks on 2 cores" in a for a in crowded.predictions.assumptions), crowded.predictions.assumptions
     fits = make_plan(_req("smollm2-135m", "2xcpu-2GB", seq=512, tp=2)).ranked[0].plan
     assert not any("ranks on 2 cores" in a for a in fits.predictions.assumptions)
+
+
+def test_ranks_beyond_the_cores_run_in_waves():
+    """3 lock-step ranks on 2 cores take two waves per step: 4/3 of an even split's time; 4 ranks
+    fill two waves exactly, so they cost what an even split does."""
+    from shardlm.hardware import Cluster, Device, Node, cpu_spec
+    from shardlm.plan.predict import _rate
+
+    spec = cpu_spec(2**30, {"cpu": {"cores": 2, "bandwidth": 30e9, "flops": 1e11, "layer_overhead_s": 1e-4}})
+    dev = Device(0, 0, spec)
+    cluster = Cluster((Node("local", (dev,), shared_memory_bus=True, cores=2),))
+    rates = {n: _rate(dev, n, cluster) for n in (1, 2, 3, 4)}
+    assert rates[2].bandwidth == pytest.approx(15e9) and rates[2].layer_overhead_s == pytest.approx(1e-4)
+    # per-rank time for 1/n of the weights, relative to one rank doing all of them
+    step = {n: (1 / n) / rates[n].bandwidth * rates[1].bandwidth for n in rates}
+    assert step[2] == pytest.approx(1.0) and step[4] == pytest.approx(1.0)
+    assert step[3] == pytest.approx(4 / 3)
+    assert rates[3].layer_overhead_s == pytest.approx(2e-4) and rates[4].layer_overhead_s == pytest.approx(2e-4)

@@ -24,7 +24,7 @@ class Rate:
     flops: float
     """FLOP/s."""
     layer_overhead_s: float
-    """Fixed seconds per layer per forward (launches / dispatch), inflated when cores are oversubscribed."""
+    """Fixed seconds per layer per forward (launches / dispatch), repeated per wave when ranks outnumber cores."""
 
 
 def ring_all_reduce_s(n: int, nbytes: float, alpha: float, bandwidth: float) -> float:

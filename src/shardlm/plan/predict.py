@@ -84,13 +84,22 @@ def _rank_memory(st: Setting, layout: ParallelLayout, c, w: mem.ShardWeights, de
 
 
 def _rate(dev: Device, active: int, cluster: Cluster) -> Rate:
-    """A rank's share of its device: CPU ranks on one node split its memory bus and cores."""
+    """A rank's share of its device: CPU ranks on one node split its memory bus and cores.
+
+    With more lock-step ranks than cores (tp 3 on 2 cores), the ranks run in `waves` =
+    ceil(ranks / cores): at most `cores` of them run at once, sharing the bandwidth, and every
+    collective waits for the last wave. So each rank's rate is the bandwidth over min(ranks, cores)
+    concurrent ranks, divided again by the waves, and its fixed per-layer cost repeats per wave.
+    Measured on 2 cores (bench/plan_honesty.py): tp 3 decodes 1.3x slower than an even split of the
+    cores would give, which a share of ranks / cores (1.5x on the fixed cost only) missed by 19-33 %.
+    """
     s = dev.spec
     node = cluster.nodes[dev.node]
-    share = active if node.shared_memory_bus else 1
-    oversub = max(1.0, active / node.cores) if node.shared_memory_bus and node.cores else 1.0
+    shared = node.shared_memory_bus
+    waves = -(-active // node.cores) if shared and node.cores and active > node.cores else 1
+    share = min(active, node.cores or active) * waves if shared else 1
     return Rate(s.bandwidth * BANDWIDTH_EFFICIENCY.get(s.kind, 1.0) / share,
-                s.flops * FLOPS_EFFICIENCY.get(s.kind, 1.0) / share, s.layer_overhead_s * oversub)
+                s.flops * FLOPS_EFFICIENCY.get(s.kind, 1.0) / share, s.layer_overhead_s * waves)
 
 
 def _active_counts(layout: ParallelLayout, devs: dict[str, Device], m: int) -> dict[tuple[int, int], int]:
@@ -213,10 +222,10 @@ def assumptions(st: Setting, layout: ParallelLayout, devs: dict[str, Device]) ->
         for node, ranks in sorted(per_node.items()):
             cores = st.cluster.nodes[node].cores
             if st.cluster.nodes[node].shared_memory_bus and cores and ranks > cores:
-                out.append(f"node {node} runs {ranks} ranks on {cores} cores: ranks take turns on the cores and each "
-                           "collective waits for a descheduled peer, which this model underestimates (decode "
-                           "measured up to 50 % slower than predicted on 2 cores: bench/plan_honesty.py); "
-                           f"prefer at most {cores} ranks")
+                waves = -(-ranks // cores)
+                out.append(f"node {node} runs {ranks} ranks on {cores} cores: they take turns in {waves} waves per "
+                           f"collective, so each step costs {waves * cores / ranks:.2f}x an even split of the cores "
+                           f"(bench/plan_honesty.py checks this on 2 cores); prefer at most {cores} ranks")
     out.append(f"decode reads a KV cache half full on average ({st.kv.max_seq_len // 2} of {st.kv.max_seq_len} "
                f"positions); prefill processes {st.kv.prefill_chunk} tokens per sequence per forward")
     if st.offload.tier != "none":
