@@ -2,14 +2,16 @@
 
 A block decoding one new token per row used to run ~45 small torch ops; at batch 1 their dispatch
 cost about as much as streaming the weights. When the compiled kernels are active ("gemv" mode),
-the model is float32 on CPU and the block's seven linear weights are plain (not quantized, not
+the model is float32 or bfloat16 on CPU and the block's seven linear weights are plain (not quantized, not
 oneDNN-packed), `decode_layer` runs the block as two calls: the attention half (norm, q/k/v,
 rotary, cache write, attention, o projection) and the MLP half (norm, gate/up, SiLU gating, down
 projection). On one rank each call also adds the residual; under tensor parallelism the o and down
 projections are row-parallel (`RowParallelLinear`), so each call returns this rank's partial sums
 and the all-reduce, the bias and the residual follow here. Offloaded layers work unchanged (their
-hooks bring the weights in around the block's forward). Everything else (prefill, bfloat16,
-quantized weights, CUDA) takes the module-by-module path, which is also the reference the fused
+hooks bring the weights in around the block's forward). In bfloat16 the arithmetic inside
+each call is float32 and only the cache and each half's output are rounded to bfloat16 (the module
+path rounds after every op), so the two paths differ by bfloat16 rounding, not more. Everything
+else (prefill, float16, quantized weights, CUDA) takes the module-by-module path, which is also the reference the fused
 path is tested against. SHARDLM_FUSED=0 turns it off.
 """
 
@@ -27,27 +29,31 @@ ENABLED = os.environ.get("SHARDLM_FUSED", "1") != "0"
 """False when SHARDLM_FUSED=0; the compiled kernels must also be active (see `ready`)."""
 
 
-def _plain(linear: nn.Module) -> bool:
-    """A linear whose float32 weight can be read directly (no quantized, packed or streamed-head form)."""
+DTYPES = (torch.float32, torch.bfloat16)
+"""Model dtypes the fused step runs (arithmetic in float32; cache and outputs in the model's dtype)."""
+
+
+def _plain(linear: nn.Module, dtype: torch.dtype) -> bool:
+    """A linear whose weight (of `dtype`) can be read directly (no quantized, packed or streamed-head form)."""
     d = linear.__dict__
     weight = getattr(linear, "weight", None)
     return d.get("quant") is None and d.get("row_stream") is None and getattr(linear, "packed", None) is None \
-        and weight is not None and weight.dtype == torch.float32
+        and weight is not None and weight.dtype == dtype
 
 
 def ready(layer: nn.Module, x: torch.Tensor, mask: torch.Tensor, cache: KVCache | None) -> bool:
     """Whether `decode_layer` can run this block on `x` (b, 1, dim) with this mask and cache."""
-    if not ENABLED or cache is None or x.shape[1] != 1 or kernels._ACTIVE is None or x.dtype != torch.float32 \
+    if not ENABLED or cache is None or x.shape[1] != 1 or kernels._ACTIVE is None or x.dtype not in DTYPES \
             or x.device.type != "cpu" or x.shape[0] > kernels.GEMV_MAX_ROWS or mask.dtype != torch.bool \
             or mask.shape[-1] != cache.offset + 1:
         return False
-    ok = layer.__dict__.get("_fused_ok")
-    if ok is None:  # the block's structure does not change after loading: decide once
+    known = layer.__dict__.setdefault("_fused_ok", {})  # dtype -> bool: the block's structure does not
+    ok = known.get(x.dtype)                             # change after loading, so decide once
+    if ok is None:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        ok = all(_plain(m) for m in linears) \
-            and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == torch.float32
-        layer._fused_ok = ok
+        ok = known[x.dtype] = all(_plain(m, x.dtype) for m in linears) \
+            and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == x.dtype
     return ok
 
 

@@ -12,19 +12,20 @@ from shardlm.runtime.load import build_rank_model, shard_coord
 from shardlm.runtime.step import Batch, Rows
 
 
-def _load(folder, kernel_mode="gemv"):
+def _load(folder, kernel_mode="gemv", dtype=torch.float32):
     family, args = args_for_config(read_config(folder))
-    return build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(), kernels=kernel_mode), args
+    return build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(), dtype,
+                            kernels=kernel_mode), args
 
 
-def _decode_logits(model, args, prompts, steps, use_fused, tokens=None):
+def _decode_logits(model, args, prompts, steps, use_fused, tokens=None, dtype=torch.float32):
     """Greedy decode of `steps` tokens; returns per-step logits (steps, b, vocab) and the tokens fed.
 
     With `tokens` given, those are fed instead of the argmax, so two runs see the same inputs.
     """
     fused.ENABLED = use_fused
     batch = Batch.from_lists(prompts)
-    rows = Rows(batch, list(range(args.n_layers)), args.n_kv_heads, steps + 1, args, torch.float32)
+    rows = Rows(batch, list(range(args.n_layers)), args.n_kv_heads, steps + 1, args, dtype)
     logits = rows.forward(model, batch.tokens, rows.prefill_mask())[:, -1]  # (b, vocab)
     out, fed = [], []
     for i in range(steps):
@@ -32,7 +33,7 @@ def _decode_logits(model, args, prompts, steps, use_fused, tokens=None):
         fed.append(token)
         logits = rows.forward(model, token[:, None], rows.next_token())[:, -1]
         out.append(logits)
-    return torch.stack(out), fed
+    return torch.stack(out).float(), fed
 
 
 def _prompts(vocab, lengths=(19, 7, 12)):
@@ -54,9 +55,27 @@ def test_fused_decode_matches_modules(name, random_dirs):
     prompts = _prompts(args.vocab_size)  # left-padded rows: masks differ per row; mistral_window slides
     ref, fed = _decode_logits(model, args, prompts, 12, use_fused=False)
     got, _ = _decode_logits(model, args, prompts, 12, use_fused=True, tokens=fed)
-    assert all(layer._fused_ok for layer in model.model.layers.values()), "the fused path was not taken"
+    assert all(layer._fused_ok[torch.float32] for layer in model.model.layers.values()), "fused path not taken"
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("name", ["gqa12x4", "biased_mha"])
+@torch.no_grad()
+def test_fused_decode_bfloat16(name, random_dirs):
+    """bfloat16 weights and cache, float32 arithmetic inside: at least as close to the float32 model
+    as the module path, which rounds to bfloat16 after every op."""
+    f32, args = _load(random_dirs[name])
+    prompts = _prompts(args.vocab_size)
+    ref, fed = _decode_logits(f32, args, prompts, 12, use_fused=False)
+    bf16, _ = _load(random_dirs[name], dtype=torch.bfloat16)
+    modules, _ = _decode_logits(bf16, args, prompts, 12, use_fused=False, tokens=fed, dtype=torch.bfloat16)
+    got, _ = _decode_logits(bf16, args, prompts, 12, use_fused=True, tokens=fed, dtype=torch.bfloat16)
+    assert all(layer._fused_ok[torch.bfloat16] for layer in bf16.model.layers.values()), "fused path not taken"
+    scale = ref.abs().max()
+    err_fused, err_modules = (got - ref).abs().max() / scale, (modules - ref).abs().max() / scale
+    assert err_fused <= 0.05, f"fused bfloat16 is {err_fused:.3f} x max|logit| from float32"
+    assert err_fused <= 1.5 * err_modules, (err_fused, err_modules)
 
 
 @torch.no_grad()
@@ -75,7 +94,8 @@ def test_fused_decode_irregular_kv_map(random_dirs):
 
 @torch.no_grad()
 def test_fused_path_skipped_where_it_does_not_apply(random_dirs):
-    """bfloat16, quantized and oneDNN-packed layers, and batches over GEMV_MAX_ROWS take the module path."""
+    """A dtype other than the weights', quantized and oneDNN-packed layers, and batches over
+    GEMV_MAX_ROWS take the module path."""
     folder = random_dirs["gqa12x4"]
     model, args = _load(folder, "onednn")
     layer = model.model.layers["0"]
@@ -87,7 +107,8 @@ def test_fused_path_skipped_where_it_does_not_apply(random_dirs):
     model, args = _load(folder)
     layer = model.model.layers["0"]
     assert fused.ready(layer, x, mask, rows.cache)
-    assert not fused.ready(layer, x.bfloat16(), mask, rows.cache)
+    assert not fused.ready(layer, x.bfloat16(), mask, rows.cache)  # float32 weights, bfloat16 input
+    assert not fused.ready(layer, x.half(), mask, rows.cache)
     assert not fused.ready(layer, torch.randn(kernels.GEMV_MAX_ROWS + 1, 1, args.dim), mask, rows.cache)
     assert not fused.ready(layer, x, mask, None)
     family, _ = args_for_config(read_config(folder))

@@ -1,4 +1,4 @@
-// One decode step of a Llama block's two halves, each in a single call (float32, a few rows).
+// One decode step of a Llama block's two halves, each in a single call (float32 or bfloat16, a few rows).
 //
 // A decode step runs ~45 small torch ops per layer (norms, three projections, rotary, cache
 // writes, SDPA, gating); at batch 1 their dispatch costs about as much as streaming the weights
@@ -16,23 +16,52 @@
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "rows.h"
 
 namespace shardlm {
 
-inline void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu(),
-              "fused decode: ", name, " must be a contiguous float32 CPU tensor");
+// The element type of a model's weights and cache: float32 tensors as float, bfloat16 as raw bits.
+template <typename W>
+constexpr c10::ScalarType dtype_of() { return std::is_same_v<W, float> ? torch::kFloat : torch::kBFloat16; }
+
+template <typename W>
+inline const W* data(const torch::Tensor& t) { return reinterpret_cast<const W*>(t.data_ptr()); }
+
+template <typename W>
+inline W* mutable_data(torch::Tensor& t) { return reinterpret_cast<W*>(t.data_ptr()); }
+
+inline void check(const torch::Tensor& t, c10::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu(), "fused decode: ", name,
+              " must be a contiguous ", c10::toString(dtype), " CPU tensor, got ", t.scalar_type());
 }
 
-inline const float* bias_ptr(const std::optional<torch::Tensor>& b, int64_t n, const char* name) {
-  if (!b.has_value()) return nullptr;
-  check_f32(*b, name);
+// A small tensor (activations, norm weights, biases, rotary tables) as contiguous float32.
+inline torch::Tensor f32(const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); }
+
+inline torch::Tensor bias_f32(const std::optional<torch::Tensor>& b, int64_t n, const char* name) {
+  if (!b.has_value()) return torch::Tensor();
   TORCH_CHECK(b->numel() == n, "fused decode: ", name, " has ", b->numel(), " elements, expected ", n);
-  return b->data_ptr<float>();
+  return f32(*b);
 }
+
+inline const float* ptr_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if (std::isnan(f)) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <typename W>
+inline W store(float v);
+template <>
+inline float store<float>(float v) { return v; }
+template <>
+inline uint16_t store<uint16_t>(float v) { return float_to_bf16(v); }
 
 // Rotate each head (hd values, half-split convention) of b rows x heads by cos/sin (b, hd).
 inline void rope_rows(float* v, const float* cos, const float* sin, int64_t b, int64_t heads, int64_t hd) {
@@ -51,23 +80,25 @@ inline void rope_rows(float* v, const float* cos, const float* sin, int64_t b, i
 }
 
 // One weight matrix's share of a parallel region: y (b, n) = x (b, k) @ w (n, k)^T.
+template <typename W>
 struct Segment {
-  const float* w;
+  const W* w;
   float* y;
   int64_t n;
 };
 
 // Several matrices that read the same x (b, k), as one range of rows split across threads: each
 // thread streams its share of every matrix in one parallel region (one fork/join, not one per matrix).
-inline void gemv_segments(std::initializer_list<Segment> segs, const float* x, int64_t k, int64_t b) {
-  const std::vector<Segment> s(segs);
+template <typename W>
+inline void gemv_segments(std::initializer_list<Segment<W>> segs, const float* x, int64_t k, int64_t b) {
+  const std::vector<Segment<W>> s(segs);
   int64_t total = 0;
   for (const auto& g : s) total += g.n;
   at::parallel_for(0, total, 16, [&](int64_t lo, int64_t hi) {
     int64_t start = 0;
     for (const auto& g : s) {  // the part of [lo, hi) that falls in this matrix's rows
       const int64_t a = std::max(lo, start), e = std::min(hi, start + g.n);
-      if (a < e) rows<float>(g.w, x, g.y, g.n, k, b, a - start, e - start);
+      if (a < e) rows<W>(g.w, x, g.y, g.n, k, b, a - start, e - start);
       start += g.n;
     }
   });
@@ -85,18 +116,23 @@ inline void add_rows(float* y, const float* bias, const float* res, int64_t b, i
 //   layer's cache, written at slot `offset`; kv_map (hq,) int64: the KV head each query head reads;
 //   mask (b, offset+1) bool: the keys each row may attend (its own slot always set);
 //   wo (dim, hq*hd): the o projection (this rank's input columns under tensor parallelism).
+// Weights, norm weights, biases, rotary tables and the cache are all float32 or all bfloat16 (the
+// model's dtype); the arithmetic is float32 throughout and the cache and the result are stored in
+// the model's dtype.
 // Returns heads @ wo^T (b, dim). With `finish` (one rank: nothing to all-reduce) the o bias `bo`
 // and the input x are added, giving the block's residual stream after attention; otherwise the
 // caller all-reduces the partial sums and adds them.
-inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wq, torch::Tensor wk,
+template <typename W>
+torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wq, torch::Tensor wk,
                                  torch::Tensor wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
                                  std::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin,
                                  torch::Tensor kc, torch::Tensor vc, int64_t offset, torch::Tensor kv_map,
                                  torch::Tensor mask, torch::Tensor wo, std::optional<torch::Tensor> bo, bool finish) {
+  const auto dtype = dtype_of<W>();
   for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}, {&wq, "q weight"}, {&wk, "k weight"},
                          {&wv, "v weight"}, {&cos, "cos"}, {&sin, "sin"}, {&kc, "key cache"}, {&vc, "value cache"},
                          {&wo, "o weight"}})
-    check_f32(*t, name);
+    check(*t, dtype, name);
   const int64_t b = x.size(0), dim = x.size(1), hd = kc.size(3), hkv = kc.size(1), max_len = kc.size(2);
   const int64_t nq = wq.size(0), nk = wk.size(0), hq = nq / hd, t = offset + 1;
   TORCH_CHECK(wq.size(1) == dim && wk.size(1) == dim && wv.size(1) == dim && nk == hkv * hd && wv.size(0) == nk &&
@@ -108,34 +144,35 @@ inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, 
               "fused decode: mask must be (b, offset+1) bool");
   TORCH_CHECK(wo.size(0) == dim && wo.size(1) == nq, "fused decode: o weight is ", wo.sizes(), ", expected (", dim,
               ", ", nq, ")");
-  const float* pbo = finish ? bias_ptr(bo, dim, "o bias") : nullptr;
-  const float* pbq = bias_ptr(bq, nq, "q bias");
-  const float* pbk = bias_ptr(bk, nk, "k bias");
-  const float* pbv = bias_ptr(bv, nk, "v bias");
+  const auto bo32 = finish ? bias_f32(bo, dim, "o bias") : torch::Tensor();
+  const auto bq32 = bias_f32(bq, nq, "q bias"), bk32 = bias_f32(bk, nk, "k bias"), bv32 = bias_f32(bv, nk, "v bias");
+  const auto x32 = f32(x), cos32 = f32(cos), sin32 = f32(sin);
+  const auto opts = x32.options();
 
-  auto xn = torch::empty({b, dim}, x.options());
-  rms_norm_rows(x.data_ptr<float>(), ln.data_ptr<float>(), static_cast<float>(eps), xn.data_ptr<float>(), b, dim);
-  auto q = torch::empty({b, nq}, x.options());
-  auto k = torch::empty({b, nk}, x.options());
-  auto v = torch::empty({b, nk}, x.options());
+  auto xn = torch::empty({b, dim}, opts);
+  rms_norm_rows(x32.data_ptr<float>(), f32(ln).data_ptr<float>(), static_cast<float>(eps), xn.data_ptr<float>(), b, dim);
+  auto q = torch::empty({b, nq}, opts);
+  auto k = torch::empty({b, nk}, opts);
+  auto v = torch::empty({b, nk}, opts);
   const float* xp = xn.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *wqp = wq.data_ptr<float>(), *wkp = wk.data_ptr<float>(), *wvp = wv.data_ptr<float>();
-  gemv_segments({{wqp, qp, nq}, {wkp, kp, nk}, {wvp, vp, nk}}, xp, dim, b);
-  add_rows(qp, pbq, nullptr, b, nq);
-  add_rows(kp, pbk, nullptr, b, nk);
-  add_rows(vp, pbv, nullptr, b, nk);
-  rope_rows(qp, cos.data_ptr<float>(), sin.data_ptr<float>(), b, hq, hd);
-  rope_rows(kp, cos.data_ptr<float>(), sin.data_ptr<float>(), b, hkv, hd);
-  float *kcp = kc.data_ptr<float>(), *vcp = vc.data_ptr<float>();
+  gemv_segments<W>({{data<W>(wq), qp, nq}, {data<W>(wk), kp, nk}, {data<W>(wv), vp, nk}}, xp, dim, b);
+  add_rows(qp, ptr_or_null(bq32), nullptr, b, nq);
+  add_rows(kp, ptr_or_null(bk32), nullptr, b, nk);
+  add_rows(vp, ptr_or_null(bv32), nullptr, b, nk);
+  rope_rows(qp, cos32.data_ptr<float>(), sin32.data_ptr<float>(), b, hq, hd);
+  rope_rows(kp, cos32.data_ptr<float>(), sin32.data_ptr<float>(), b, hkv, hd);
+  W *kcp = mutable_data<W>(kc), *vcp = mutable_data<W>(vc);
   for (int64_t j = 0; j < b; ++j)
     for (int64_t h = 0; h < hkv; ++h) {  // cache[j, h, offset, :] = k/v of the new token
-      const int64_t slot = ((j * hkv + h) * max_len + offset) * hd;
-      std::memcpy(kcp + slot, kp + (j * hkv + h) * hd, hd * sizeof(float));
-      std::memcpy(vcp + slot, vp + (j * hkv + h) * hd, hd * sizeof(float));
+      const int64_t slot = ((j * hkv + h) * max_len + offset) * hd, src = (j * hkv + h) * hd;
+      for (int64_t i = 0; i < hd; ++i) {
+        kcp[slot + i] = store<W>(kp[src + i]);
+        vcp[slot + i] = store<W>(vp[src + i]);
+      }
     }
 
-  auto heads = torch::empty({b, nq}, x.options());  // (b, hq, hd) flattened
+  auto heads = torch::empty({b, nq}, opts);  // (b, hq, hd) flattened
   float* op = heads.data_ptr<float>();
   const int64_t* map = kv_map.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
@@ -147,12 +184,12 @@ inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, 
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t j = task / hq, h = task % hq;
       const float* qv = qp + task * hd;  // (j, h) of q (b, hq, hd)
-      const float* keys = kcp + (j * hkv + map[h]) * max_len * hd;
-      const float* vals = vcp + (j * hkv + map[h]) * max_len * hd;
+      const W* keys = kcp + (j * hkv + map[h]) * max_len * hd;
+      const W* vals = vcp + (j * hkv + map[h]) * max_len * hd;
       const bool* allowed = mp + j * t;
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t s = 0; s < t; ++s) {
-        p[s] = allowed[s] ? dot<float>(keys + s * hd, qv, hd) * scale : -std::numeric_limits<float>::infinity();
+        p[s] = allowed[s] ? dot<W>(keys + s * hd, qv, hd) * scale : -std::numeric_limits<float>::infinity();
         top = std::max(top, p[s]);
       }
       float total = 0.f;
@@ -165,48 +202,73 @@ inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, 
       for (int64_t s = 0; s < t; ++s) {
         if (!allowed[s]) continue;
         const float w = p[s] / total;
-        const float* vs = vals + s * hd;
+        const W* vs = vals + s * hd;
 #pragma omp simd
-        for (int64_t i = 0; i < hd; ++i) o[i] += w * vs[i];
+        for (int64_t i = 0; i < hd; ++i) o[i] += w * load<W>(vs, i);
       }
     }
   });
-  auto out = torch::empty({b, dim}, x.options());
-  gemv_segments({{wo.data_ptr<float>(), out.data_ptr<float>(), dim}}, op, nq, b);
-  if (finish) add_rows(out.data_ptr<float>(), pbo, x.data_ptr<float>(), b, dim);
-  return out;
+  auto out = torch::empty({b, dim}, opts);
+  gemv_segments<W>({{data<W>(wo), out.data_ptr<float>(), dim}}, op, nq, b);
+  if (finish) add_rows(out.data_ptr<float>(), ptr_or_null(bo32), x32.data_ptr<float>(), b, dim);
+  return out.to(dtype);
 }
 
 // MLP half of a block: down(silu(gate(norm(x))) * up(norm(x))) -> (b, dim).
 //   x (b, dim); ln (dim); wg/wu (inter, dim) with optional biases; wd (dim, inter): the down
 //   projection (this rank's input columns under tensor parallelism). With `finish` the down bias
 //   `bd` and x are added (one rank); otherwise the caller all-reduces the partial sums.
-inline torch::Tensor mlp_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wg, torch::Tensor wu,
+template <typename W>
+torch::Tensor mlp_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wg, torch::Tensor wu,
                                 std::optional<torch::Tensor> bg, std::optional<torch::Tensor> bu, torch::Tensor wd,
                                 std::optional<torch::Tensor> bd, bool finish) {
   for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}, {&wg, "gate weight"}, {&wu, "up weight"},
                          {&wd, "down weight"}})
-    check_f32(*t, name);
+    check(*t, dtype_of<W>(), name);
   const int64_t b = x.size(0), dim = x.size(1), n = wg.size(0);
   TORCH_CHECK(wg.size(1) == dim && wu.sizes() == wg.sizes() && wd.size(0) == dim && wd.size(1) == n,
               "fused decode: inconsistent MLP shapes");
-  const float* pbg = bias_ptr(bg, n, "gate bias");
-  const float* pbu = bias_ptr(bu, n, "up bias");
-  const float* pbd = finish ? bias_ptr(bd, dim, "down bias") : nullptr;
-  auto xn = torch::empty({b, dim}, x.options());
-  rms_norm_rows(x.data_ptr<float>(), ln.data_ptr<float>(), static_cast<float>(eps), xn.data_ptr<float>(), b, dim);
-  auto gate = torch::empty({b, n}, x.options());
-  auto act = torch::empty({b, n}, x.options());  // up(x), then silu(gate) * up in place
+  const auto bg32 = bias_f32(bg, n, "gate bias"), bu32 = bias_f32(bu, n, "up bias");
+  const auto bd32 = finish ? bias_f32(bd, dim, "down bias") : torch::Tensor();
+  const auto x32 = f32(x);
+  const auto opts = x32.options();
+  auto xn = torch::empty({b, dim}, opts);
+  rms_norm_rows(x32.data_ptr<float>(), f32(ln).data_ptr<float>(), static_cast<float>(eps), xn.data_ptr<float>(), b, dim);
+  auto gate = torch::empty({b, n}, opts);
+  auto act = torch::empty({b, n}, opts);  // up(x), then silu(gate) * up in place
   float *gp = gate.data_ptr<float>(), *ap = act.data_ptr<float>();
   // gate and up as two whole-matrix segments: interleaving their rows streamed ~15 % slower (measured)
-  gemv_segments({{wg.data_ptr<float>(), gp, n}, {wu.data_ptr<float>(), ap, n}}, xn.data_ptr<float>(), dim, b);
-  add_rows(gp, pbg, nullptr, b, n);
-  add_rows(ap, pbu, nullptr, b, n);
+  gemv_segments<W>({{data<W>(wg), gp, n}, {data<W>(wu), ap, n}}, xn.data_ptr<float>(), dim, b);
+  add_rows(gp, ptr_or_null(bg32), nullptr, b, n);
+  add_rows(ap, ptr_or_null(bu32), nullptr, b, n);
   for (int64_t i = 0; i < b * n; ++i) ap[i] *= gp[i] / (1.f + std::exp(-gp[i]));  // silu(g) * u
-  auto out = torch::empty({b, dim}, x.options());
-  gemv_segments({{wd.data_ptr<float>(), out.data_ptr<float>(), dim}}, ap, n, b);
-  if (finish) add_rows(out.data_ptr<float>(), pbd, x.data_ptr<float>(), b, dim);
-  return out;
+  auto out = torch::empty({b, dim}, opts);
+  gemv_segments<W>({{data<W>(wd), out.data_ptr<float>(), dim}}, ap, n, b);
+  if (finish) add_rows(out.data_ptr<float>(), ptr_or_null(bd32), x32.data_ptr<float>(), b, dim);
+  return out.to(dtype_of<W>());
 }
+
+// Entry points: dispatch on the model's dtype (float32 or bfloat16 weights).
+inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wq, torch::Tensor wk,
+                                 torch::Tensor wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
+                                 std::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin,
+                                 torch::Tensor kc, torch::Tensor vc, int64_t offset, torch::Tensor kv_map,
+                                 torch::Tensor mask, torch::Tensor wo, std::optional<torch::Tensor> bo, bool finish) {
+  TORCH_CHECK(wq.scalar_type() == torch::kFloat || wq.scalar_type() == torch::kBFloat16,
+              "fused decode: float32 or bfloat16 weights, got ", wq.scalar_type());
+  auto run = wq.scalar_type() == torch::kFloat ? attn_decode_t<float> : attn_decode_t<uint16_t>;
+  return run(x, ln, eps, wq, wk, wv, bq, bk, bv, cos, sin, kc, vc, offset, kv_map, mask, wo, bo, finish);
+}
+
+inline torch::Tensor mlp_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wg, torch::Tensor wu,
+                                std::optional<torch::Tensor> bg, std::optional<torch::Tensor> bu, torch::Tensor wd,
+                                std::optional<torch::Tensor> bd, bool finish) {
+  TORCH_CHECK(wg.scalar_type() == torch::kFloat || wg.scalar_type() == torch::kBFloat16,
+              "fused decode: float32 or bfloat16 weights, got ", wg.scalar_type());
+  auto run = wg.scalar_type() == torch::kFloat ? mlp_decode_t<float> : mlp_decode_t<uint16_t>;
+  return run(x, ln, eps, wg, wu, bg, bu, wd, bd, finish);
+}
+
+
 
 }  // namespace shardlm
