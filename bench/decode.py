@@ -539,7 +539,8 @@ def collect_notes(systems, samples) -> list[str]:
                              f"generate - wall of 1-token generate): {sub:.1f} tok/s (the clock method gave "
                              f"{med(ss):.1f}).")
     for a, b in (("shardlm tp1", "transformers"), ("shardlm tp2", "shardlm tp1"),
-                 ("shardlm tp1 bf16", "transformers bf16")):
+                 ("shardlm tp1 bf16", "transformers bf16"),  # bfloat16 against each system's own float32:
+                 ("shardlm tp1 bf16", "shardlm tp1"), ("transformers bf16", "transformers")):  # rounding drift
         ta, tb = getattr(by.get(a), "tokens_b1", None), getattr(by.get(b), "tokens_b1", None)
         if ta and tb:
             same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))

@@ -79,6 +79,25 @@ def test_fused_decode_bfloat16(name, random_dirs):
 
 
 @torch.no_grad()
+def test_fused_decode_bfloat16_bundled(bundled_dir, prompt64):
+    """On the bundled model, teacher-forced with the float32 model's greedy tokens: the fused
+    bfloat16 step picks the float32 top-1 token as often as the module path does, with no larger
+    logit error. (Free-running greedy runs of either diverge from float32 after a few dozen tokens,
+    at whichever near-tie comes first; bench/decode.py prints where.)"""
+    f32, args = _load(bundled_dir)
+    ref, fed = _decode_logits(f32, args, [prompt64[:40]], 64, use_fused=True)
+    bf16, _ = _load(bundled_dir, dtype=torch.bfloat16)
+    stats = {}
+    for use in (False, True):
+        got, _ = _decode_logits(bf16, args, [prompt64[:40]], 64, use_fused=use, tokens=fed, dtype=torch.bfloat16)
+        err = ((got - ref).abs().amax(-1) / ref.abs().amax(-1)).median().item()  # per step, relative
+        stats[use] = (err, (got.argmax(-1) == ref.argmax(-1)).float().mean().item())
+    (err_m, top_m), (err_f, top_f) = stats[False], stats[True]
+    assert top_f >= top_m - 1 / 64, stats
+    assert err_f <= 1.1 * err_m, stats
+
+
+@torch.no_grad()
 def test_fused_decode_irregular_kv_map(random_dirs):
     """Query heads reading KV heads in an irregular pattern (as uneven TP splits produce)."""
     model, args = _load(random_dirs["gqa12x4"])
