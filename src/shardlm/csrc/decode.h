@@ -49,19 +49,12 @@ inline torch::Tensor bias_f32(const std::optional<torch::Tensor>& b, int64_t n, 
 
 inline const float* ptr_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if (std::isnan(f)) return 0x7fc0;
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 template <typename W>
 inline W store(float v);
 template <>
 inline float store<float>(float v) { return v; }
 template <>
-inline uint16_t store<uint16_t>(float v) { return float_to_bf16(v); }
+inline uint16_t store<uint16_t>(float v) { return c10::BFloat16(v).x; }  // round to nearest even
 
 // Rotate each head (hd values, half-split convention) of b rows x heads by cos/sin (b, hd).
 inline void rope_rows(float* v, const float* cos, const float* sin, int64_t b, int64_t heads, int64_t hd) {
@@ -124,10 +117,10 @@ inline void add_rows(float* y, const float* bias, const float* res, int64_t b, i
 // caller all-reduces the partial sums and adds them.
 template <typename W>
 torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wq, torch::Tensor wk,
-                                 torch::Tensor wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
-                                 std::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin,
-                                 torch::Tensor kc, torch::Tensor vc, int64_t offset, torch::Tensor kv_map,
-                                 torch::Tensor mask, torch::Tensor wo, std::optional<torch::Tensor> bo, bool finish) {
+                            torch::Tensor wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
+                            std::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor kc, torch::Tensor vc, int64_t offset, torch::Tensor kv_map,
+                            torch::Tensor mask, torch::Tensor wo, std::optional<torch::Tensor> bo, bool finish) {
   const auto dtype = dtype_of<W>();
   for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}, {&wq, "q weight"}, {&wk, "k weight"},
                          {&wv, "v weight"}, {&cos, "cos"}, {&sin, "sin"}, {&kc, "key cache"}, {&vc, "value cache"},
@@ -220,8 +213,8 @@ torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch
 //   `bd` and x are added (one rank); otherwise the caller all-reduces the partial sums.
 template <typename W>
 torch::Tensor mlp_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wg, torch::Tensor wu,
-                                std::optional<torch::Tensor> bg, std::optional<torch::Tensor> bu, torch::Tensor wd,
-                                std::optional<torch::Tensor> bd, bool finish) {
+                           std::optional<torch::Tensor> bg, std::optional<torch::Tensor> bu, torch::Tensor wd,
+                           std::optional<torch::Tensor> bd, bool finish) {
   for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}, {&wg, "gate weight"}, {&wu, "up weight"},
                          {&wd, "down weight"}})
     check(*t, dtype_of<W>(), name);
@@ -249,26 +242,26 @@ torch::Tensor mlp_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch:
 }
 
 // Entry points: dispatch on the model's dtype (float32 or bfloat16 weights).
+inline bool float_weights(const torch::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16,
+              "fused decode: float32 or bfloat16 weights, got ", w.scalar_type());
+  return w.scalar_type() == torch::kFloat;
+}
+
 inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wq, torch::Tensor wk,
                                  torch::Tensor wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
                                  std::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin,
                                  torch::Tensor kc, torch::Tensor vc, int64_t offset, torch::Tensor kv_map,
                                  torch::Tensor mask, torch::Tensor wo, std::optional<torch::Tensor> bo, bool finish) {
-  TORCH_CHECK(wq.scalar_type() == torch::kFloat || wq.scalar_type() == torch::kBFloat16,
-              "fused decode: float32 or bfloat16 weights, got ", wq.scalar_type());
-  auto run = wq.scalar_type() == torch::kFloat ? attn_decode_t<float> : attn_decode_t<uint16_t>;
+  auto run = float_weights(wq) ? attn_decode_t<float> : attn_decode_t<uint16_t>;
   return run(x, ln, eps, wq, wk, wv, bq, bk, bv, cos, sin, kc, vc, offset, kv_map, mask, wo, bo, finish);
 }
 
 inline torch::Tensor mlp_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wg, torch::Tensor wu,
                                 std::optional<torch::Tensor> bg, std::optional<torch::Tensor> bu, torch::Tensor wd,
                                 std::optional<torch::Tensor> bd, bool finish) {
-  TORCH_CHECK(wg.scalar_type() == torch::kFloat || wg.scalar_type() == torch::kBFloat16,
-              "fused decode: float32 or bfloat16 weights, got ", wg.scalar_type());
-  auto run = wg.scalar_type() == torch::kFloat ? mlp_decode_t<float> : mlp_decode_t<uint16_t>;
+  auto run = float_weights(wg) ? mlp_decode_t<float> : mlp_decode_t<uint16_t>;
   return run(x, ln, eps, wg, wu, bg, bu, wd, bd, finish);
 }
-
-
 
 }  // namespace shardlm

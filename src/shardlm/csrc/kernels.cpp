@@ -14,9 +14,6 @@
 #include <cstdint>
 
 #include "decode.h"
-#include "rows.h"
-
-using shardlm::rows;
 
 // x (..., k) float32 or bfloat16; w (n, k) float32 or bfloat16 contiguous -> (..., n) in x's dtype.
 // Accumulates in float32. One call per linear layer keeps the per-layer Python overhead small.
@@ -31,12 +28,10 @@ torch::Tensor gemv(torch::Tensor x_in, torch::Tensor w) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (w.scalar_type() == torch::kFloat) {
-    const float* wp = w.data_ptr<float>();
-    at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { rows<float>(wp, xp, yp, n, k, b, lo, hi); });
+    shardlm::gemv_segments<float>({{w.data_ptr<float>(), yp, n}}, xp, k, b);
   } else {
     TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "gemv: float32 or bfloat16 weights");
-    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { rows<uint16_t>(wp, xp, yp, n, k, b, lo, hi); });
+    shardlm::gemv_segments<uint16_t>({{shardlm::data<uint16_t>(w), yp, n}}, xp, k, b);
   }
   lead.push_back(n);
   return y.view(lead).to(x_in.scalar_type());
