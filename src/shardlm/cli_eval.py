@@ -36,14 +36,17 @@ def perplexity(
     quantization: str = typer.Option("none", "--quantization", help="none, int8, int4, or several, e.g. none,int8,int4."),
     text: Optional[str] = typer.Option(None, "--text", help="UTF-8 text file to score (default: the public-domain text shipped with shardlm)."),
     window: int = typer.Option(512, help="Tokens per scored window (each window is scored from scratch)."),
+    device: str = typer.Option("cpu", help="cpu, or cuda (the first GPU)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Perplexity of the model on a text for each dtype x quantization asked (one CPU rank)."""
+    """Perplexity of the model on a text for each dtype x quantization asked (one rank, on --device)."""
     from shardlm.runtime.perplexity import default_text, perplexity as run
     from shardlm.runtime.text import load_tokenizer
 
     dtypes = _choices(dtype, DTYPES, "--dtype")
     quants = _choices(quantization, ("none", "int8", "int4"), "--quantization")
+    if device not in ("cpu", "cuda"):
+        _fail(f"--device {device} is not supported; use cpu or cuda")
     if window < 2:
         _fail(f"--window {window} is too small; each window needs at least 2 tokens, e.g. --window 512")
     try:
@@ -56,7 +59,7 @@ def perplexity(
         require_runnable(family, args)
         tok = load_tokenizer(folder)
         for q in quants:
-            check_kind(q)
+            check_kind(q, device)
     except (bundled.BundledModelError, ModelConfigError, QuantizationError) as e:
         _fail(str(e))
     rows = []
@@ -64,7 +67,8 @@ def perplexity(
         for q in quants:
             with err.status(f"scoring {d}{'' if q == 'none' else ' + ' + q}..."):
                 try:
-                    r = run(folder, family, args, body, tok, d, None if q == "none" else q, window)
+                    r = run(folder, family, args, body, tok, d, None if q == "none" else q, window,
+                            "cuda:0" if device == "cuda" else "cpu")
                 except (CheckpointError, ValueError) as e:
                     _fail(str(e))
             rows.append({"dtype": d, "quantization": q, "perplexity": r.perplexity, "nll": r.nll, "tokens": r.tokens,

@@ -1,8 +1,11 @@
 """Weight-only quantization of linear layers: int8 per output channel, int4 in groups along the input.
 
 Kernels: PyTorch's own weight-only matmuls, `aten._weight_int8pack_mm` (int8 x float, CPU and
-CUDA) and `aten._weight_int4pack_mm_for_cpu` (tinygemm-style int4, CPU), the ones torchao's
-int8/int4 weight-only layouts dispatched to. We call them directly rather than through torchao:
+CUDA), `aten._weight_int4pack_mm_for_cpu` (tinygemm-style int4, CPU) and `aten._weight_int4pack_mm`
+(the tinygemm int4 kernel on CUDA, sm80 and later), the ones torchao's int8/int4 weight-only layouts
+dispatched to. The two int4 kernels share the arithmetic (W = (q - 8) * scale + zero, the same
+(groups, rows, 2) scale/zero table) and differ only in how the codes are packed, so one set of
+codes serves both: `pack_int4` packs them for the device they will run on. We call them directly rather than through torchao:
 torchao 0.18's int4 weight-only has no CPU layout (its plain format needs a CUDA-only library,
 plain_int32 refuses CPU tensors; tried on this machine), and importing it tries to load its CUDA
 extensions. Using the ops through torch keeps the dependency list as it is and the same code on
@@ -79,7 +82,7 @@ class Int8Weight:
 
 @dataclass
 class Int4Weight:
-    """Packed int4 weight for the CPU kernel, scales and zeros per (group, row), and the padding.
+    """Packed int4 weight for the CPU or CUDA kernel, scales and zeros per (group, row), and the padding.
 
     `pad_left`/`pad_right` zero columns were added so the local columns fall on whole groups;
     `out` real rows of `packed`'s padded row count are kept.
@@ -100,7 +103,10 @@ class Int4Weight:
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
         if self.pad_left or self.pad_right:
             x2 = F.pad(x2, (self.pad_left, self.pad_right))  # (rows, padded in): zeros meet the zero columns
-        y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group, self.scales_zeros)
+        if self.packed.is_cuda:
+            y = torch._weight_int4pack_mm(x2.contiguous(), self.packed, self.group, self.scales_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group, self.scales_zeros)
         if y.shape[-1] != self.out:
             y = y[:, :self.out]  # drop the rows added to reach a multiple of 16
         return y.reshape(*lead, self.out).to(x.dtype)
@@ -113,7 +119,7 @@ class Int4Weight:
 def _reduce(t: torch.Tensor, op, ctx) -> torch.Tensor:
     """Reduce `t` in place over the TP group of `ctx` (a ParallelContext; None or world 1: no-op)."""
     if ctx is not None and ctx.world > 1:
-        dist.all_reduce(t, op=op, group=ctx.group)
+        ctx.all_reduce(t, op)
     return t
 
 
@@ -126,14 +132,17 @@ def int8_codes(w: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
-    """An Int8Weight from codes (out, in) and scales (out,), padded for the kernel."""
+def pack_int8(q: torch.Tensor, scale: torch.Tensor, device: torch.device | str | None = None) -> Int8Weight:
+    """An Int8Weight from codes (out, in) and scales (out,), padded for the kernel, on `device`
+    (default: where the codes are)."""
+    if device is not None:
+        q, scale = q.to(device), scale.to(device)
     pad = -q.shape[1] % INT8_ALIGN
     q = F.pad(q, (0, pad)) if pad else q  # (out, in + pad)
     return Int8Weight(q.contiguous(), scale.to(ACT_DTYPE), pad)
 
 
-def quantize_int8(w: torch.Tensor, ctx=None) -> Int8Weight:
+def quantize_int8(w: torch.Tensor, ctx=None) -> Int8Weight:  # packed where `w` is
     """Per-row int8 of a float weight (out, in); `ctx` reduces the row maxima across its TP group."""
     return pack_int8(*int8_codes(w, ctx))
 
@@ -158,8 +167,8 @@ def int4_codes(w: torch.Tensor, start: int = 0, total: int | None = None, group_
     hi = F.pad(wf, (pad_left, pad_right), value=float("-inf")).view(out, -1, group_size).amax(-1)
     if ctx is not None and ctx.world > 1:
         g0, n_groups = start // group_size, -(-total // group_size)
-        full_lo = torch.full((out, n_groups), float("inf"))
-        full_hi = torch.full((out, n_groups), float("-inf"))
+        full_lo = torch.full((out, n_groups), float("inf"), device=w.device)
+        full_hi = torch.full((out, n_groups), float("-inf"), device=w.device)
         full_lo[:, g0:g0 + lo.shape[1]], full_hi[:, g0:g0 + hi.shape[1]] = lo, hi
         _reduce(full_lo, dist.ReduceOp.MIN, ctx)
         _reduce(full_hi, dist.ReduceOp.MAX, ctx)
@@ -172,15 +181,24 @@ def int4_codes(w: torch.Tensor, start: int = 0, total: int | None = None, group_
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, pad_left: int,
-              pad_right: int) -> Int4Weight:
-    """An Int4Weight for the CPU kernel from codes (out, padded in), scales and zeros (out, groups)."""
+              pad_right: int, device: torch.device | str | None = None) -> Int4Weight:
+    """An Int4Weight from codes (out, padded in), scales and zeros (out, groups), packed for the
+    kernel of `device` (default: where the codes are)."""
+    if device is not None:
+        q, scale, zero = q.to(device), scale.to(device), zero.to(device)
     out, padded_k = q.shape
-    n_pad = -out % 16  # the kernel wants a multiple of 16 rows
+    n_pad = -out % 16  # the kernels want a multiple of 16 (CPU) / 8 (CUDA) rows
     q = q.to(torch.int32)
     if n_pad:
         q = F.pad(q, (0, 0, 0, n_pad), value=8)  # rows that decode to `zero`=0 below: harmless, dropped after
         scale, zero = F.pad(scale, (0, 0, 0, n_pad), value=1.0), F.pad(zero, (0, 0, 0, n_pad))
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    if q.is_cuda:
+        # two codes per byte, even column in the high nibble; tiles of 16 x inner_k_tiles columns
+        nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # (rows, padded_k / 2)
+        inner = 8 if padded_k % 128 == 0 else 4 if padded_k % 64 == 0 else 2
+        packed = torch._convert_weight_to_int4pack(nibbles.contiguous(), inner)
+    else:
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACT_DTYPE).contiguous()  # (groups, rows, 2)
     return Int4Weight(packed, scales_zeros, group_size, out, pad_left, pad_right, padded_k - pad_left - pad_right)
 

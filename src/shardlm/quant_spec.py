@@ -31,9 +31,9 @@ def check_kind(kind: str | None, device: object = "cpu") -> None:
         return
     if kind not in KINDS:
         raise QuantizationError(f"--quantization {kind} is not supported; use none, int8 or int4")
-    if kind == "int4" and str(device).split(":")[0] != "cpu":
-        raise QuantizationError(f"int4 weights run on CPU ranks only in this version (device {device}); "
-                                "use --quantization int8 on GPUs")
+    if str(device).split(":")[0] not in ("cpu", "cuda"):
+        raise QuantizationError(f"--quantization {kind} runs on cpu and cuda ranks, not on {device}; "
+                                "use --quantization none there")
 
 
 def is_quantizable(name: str) -> bool:

@@ -98,6 +98,8 @@ def bad_dirs(tmp_path_factory, bundled_dir):
     (["--top-k", "-1", "x"], "--top-k must be >= 0"),
     (["--max-new-tokens", "0", "x"], "--max-new-tokens must be at least 1"),
     (["--dtype", "float16", "x"], "--dtype float16 is not supported"),
+    (["--device", "tpu", "x"], "--device tpu is not supported; use cpu or cuda"),
+    (["--device", "cuda", "--offload-dir", "/tmp", "--memory-budget", "100MB", "x"], "drop --offload-dir"),
     (["   "], "empty prompt"),
 ])
 def test_bad_input_is_one_line_exit_2(args, expect, bad_dirs):
@@ -105,6 +107,14 @@ def test_bad_input_is_one_line_exit_2(args, expect, bad_dirs):
     res = run_cli("generate", *args)
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert expect in " ".join(res.stderr.split()), res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_on_a_machine_without_one_is_one_line_exit_2():
+    res = run_cli("generate", "x", "--device", "cuda", "--max-new-tokens", "2")
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "torch sees no CUDA device" in res.stderr and "use --device cpu" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
 
 

@@ -67,9 +67,9 @@ def test_int4_of_an_aligned_slice_equals_the_slice_of_the_whole():
 def test_bad_kinds_name_the_fix():
     with pytest.raises(QuantizationError, match="use none, int8 or int4"):
         check_kind("int3")
-    with pytest.raises(QuantizationError, match="use --quantization int8 on GPUs"):
-        check_kind("int4", "cuda")
-    check_kind(None), check_kind("none"), check_kind("int8", "cuda")
+    with pytest.raises(QuantizationError, match="runs on cpu and cuda ranks, not on mps"):
+        check_kind("int4", "mps")
+    check_kind(None), check_kind("none"), check_kind("int8", "cuda"), check_kind("int4", "cuda")
 
 
 @pytest.fixture(scope="module")

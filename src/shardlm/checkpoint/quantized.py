@@ -47,13 +47,15 @@ def stored_tensors(name: str, w: torch.Tensor, kind: str) -> dict[str, torch.Ten
             f"{base}.weight_zero": zero.to(ACT_DTYPE)}
 
 
-def read_quantized(src, name: str, kind: str, rows: slice, cols: slice, in_total: int) -> Int8Weight | Int4Weight:
-    """This rank's part (`rows` x `cols` of the logical (out, in_total) weight) of quantized `name`."""
+def read_quantized(src, name: str, kind: str, rows: slice, cols: slice, in_total: int,
+                   device: torch.device | str = "cpu") -> Int8Weight | Int4Weight:
+    """This rank's part (`rows` x `cols` of the logical (out, in_total) weight) of quantized `name`,
+    packed for `device`'s kernel."""
     base = name.removesuffix(".weight")
     if kind == "int8":
         q = src.read(name, (rows, cols))
         scale = src.read(f"{base}.weight_scale", (rows,))
-        return pack_int8(q, scale)
+        return pack_int8(q, scale, device)
     g0, g1 = cols.start // INT4_GROUP, -(-cols.stop // INT4_GROUP)
     stored_cols = -(-in_total // 2)
     b0, b1 = g0 * INT4_GROUP // 2, min(g1 * INT4_GROUP // 2, stored_cols)
@@ -64,4 +66,4 @@ def read_quantized(src, name: str, kind: str, rows: slice, cols: slice, in_total
     scale = src.read(f"{base}.weight_scale", (rows, slice(g0, g1))).float()
     zero = src.read(f"{base}.weight_zero", (rows, slice(g0, g1))).float()
     # the columns of neighbouring ranks inside the edge groups stay: they meet the zero padding of x
-    return pack_int4(q, scale, zero, INT4_GROUP, cols.start - g0 * INT4_GROUP, g1 * INT4_GROUP - cols.stop)
+    return pack_int4(q, scale, zero, INT4_GROUP, cols.start - g0 * INT4_GROUP, g1 * INT4_GROUP - cols.stop, device)

@@ -2,7 +2,9 @@
 
 Every collective the model issues goes through here, so bytes and seconds per op are recorded
 for the monitor. Ranks on one host can use the shared-memory transport (`shm.ShmCollectives`);
-otherwise the torch.distributed group (gloo on CPU, NCCL on CUDA) does the work.
+otherwise the torch.distributed group (gloo on CPU, NCCL on CUDA) does the work. Ranks that run
+on CUDA but talk over gloo (ranks sharing a GPU, which NCCL refuses) stage each tensor through
+host memory: copy out, reduce on the host (shared memory when there is one), copy back.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class ParallelContext:
     shm: Any = None
     """Optional shared-memory transport with `all_reduce_` and `all_gather` for same-host ranks."""
     pipe: PipePeers | None = None
+    cuda_collectives: bool = False
+    """True when the backend moves CUDA tensors itself (NCCL); False: collectives take host tensors."""
     stats: dict[str, OpStats] = field(default_factory=dict)
     _pending: list = field(default_factory=list)
 
@@ -74,33 +78,47 @@ class ParallelContext:
         s.bytes += nbytes
         s.seconds += time.perf_counter() - t0
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the group in place and return it (bitwise identical on every rank)."""
+    def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """Reduce `t` over the group in place (sum, or `op` such as dist.ReduceOp.MAX) and return it
+        (bitwise identical on every rank)."""
         if self.world == 1:
             return t
         t0 = time.perf_counter()
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
-        if self.shm is not None and nbytes <= self.shm.max_bytes:
-            self.shm.all_reduce_(t)
+        if t.is_cuda and not self.cuda_collectives:
+            host = t.cpu()  # staged: this backend takes host tensors
+            self._reduce(host, nbytes, op)
+            t.copy_(host)
         else:
-            dist.all_reduce(t, group=self.group)
+            self._reduce(t, nbytes, op)
         self._count("all_reduce", nbytes, t0)
         return t
+
+    def _reduce(self, t: torch.Tensor, nbytes: int, op: Any) -> None:
+        if op is None and self.shm is not None and not t.is_cuda and nbytes <= self.shm.max_bytes:
+            self.shm.all_reduce_(t)
+        else:
+            dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.SUM, group=self.group)
 
     def all_gather(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         """Concatenate every rank's `t` along `dim`; rank r contributes `sizes[r]` entries there."""
         if self.world == 1:
             return t
         t0 = time.perf_counter()
-        t = t.contiguous()
+        device = t.device
+        t = t.contiguous() if self.cuda_collectives or not t.is_cuda else t.cpu()  # staged like all_reduce
         part_bytes = t.numel() // max(t.shape[dim], 1) * max(sizes) * t.element_size()  # same on every rank
-        if self.shm is not None and part_bytes <= self.shm.max_bytes:
+        if self.shm is not None and not t.is_cuda and part_bytes <= self.shm.max_bytes:
             out = self.shm.all_gather(t, dim)
         else:
             out = _padded_all_gather(t, dim, sizes, self.group)
         self._count("all_gather", out.numel() * out.element_size(), t0)
-        return out
+        return out.to(device)
+
+    def _wire(self) -> torch.device:
+        """Where point-to-point tensors must live for this backend."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.cuda_collectives else torch.device("cpu")
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         """Start sending `t` to global rank `dst` and return at once (the tensor is kept until sent).
@@ -108,15 +126,16 @@ class ParallelContext:
         Sends between one pair of ranks arrive in the order they were made. `flush` waits for all.
         """
         t0 = time.perf_counter()
-        t = t.contiguous()
+        t = t.to(self._wire()).contiguous()
         self._pending = [(w, x) for w, x in self._pending if not w.is_completed()]
         self._pending.append((dist.isend(t, dst), t))
         self._count("send", t.numel() * t.element_size(), t0)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        """Receive a tensor of `shape` and `dtype` from global rank `src` (blocks; the group's timeout applies)."""
+        """Receive a tensor of `shape` and `dtype` from global rank `src` (blocks; the group's timeout
+        applies). It arrives on the backend's device: the GPU under NCCL, else host memory."""
         t0 = time.perf_counter()
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=self._wire())
         dist.recv(t, src)
         self._count("recv", t.numel() * t.element_size(), t0)
         return t

@@ -17,6 +17,10 @@ from datetime import timedelta
 from typing import Any, Callable
 
 
+class DeviceError(RuntimeError):
+    """A device was asked for that this machine or this torch build cannot provide."""
+
+
 class RanksFailed(RuntimeError):
     """One or more ranks raised, died or timed out; the message holds every rank's traceback."""
 
@@ -38,8 +42,31 @@ def store_listener() -> socket.socket:
     return s
 
 
-def join_group(rank: int, world: int, port: int, listener: socket.socket | None, timeout_s: float) -> None:
-    """Join the gloo world of `world` ranks whose store listens on 127.0.0.1:`port`.
+def pick_backend(device: str, world: int, gpus: int) -> str:
+    """The collective backend for `world` ranks on `device` ("cpu" or "cuda") with `gpus` visible GPUs.
+
+    NCCL when every rank has a GPU of its own. NCCL refuses two ranks on one GPU ("duplicate GPU"),
+    so ranks that share GPUs (more ranks than GPUs) use gloo, staging CUDA tensors through host
+    memory (see ParallelContext); CPU ranks always use gloo.
+    """
+    return "nccl" if device == "cuda" and 0 < world <= gpus else "gloo"
+
+
+def rank_device(device: str, rank: int, gpus: int) -> str:
+    """The torch device of global `rank`: "cpu", or "cuda:i" with ranks dealt round-robin over `gpus` GPUs."""
+    if device != "cuda":
+        return "cpu"
+    if gpus < 1:
+        raise DeviceError("--device cuda was asked for, but torch sees no CUDA device (torch.cuda.is_available() "
+                           "is False: a CPU build of torch, or no driver); use --device cpu, or run where a GPU and a "
+                           "CUDA build of torch are installed")
+    return f"cuda:{rank % gpus}"
+
+
+def join_group(rank: int, world: int, port: int, listener: socket.socket | None, timeout_s: float,
+               backend: str = "gloo") -> None:
+    """Join the world of `world` ranks whose store listens on 127.0.0.1:`port`, on `backend`
+    ("gloo", or "nccl" after each rank has called torch.cuda.set_device on its own GPU).
 
     Rank 0 passes the `store_listener` socket (it serves the store on it); the others pass None.
     """
@@ -50,7 +77,7 @@ def join_group(rank: int, world: int, port: int, listener: socket.socket | None,
         store = dist.TCPStore("127.0.0.1", port, world, True, timeout, master_listen_fd=listener.detach())
     else:
         store = dist.TCPStore("127.0.0.1", port, world, False, timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def threads_per_rank(world: int) -> int:
@@ -58,13 +85,16 @@ def threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, listener, threads: int, args: tuple, results) -> None:
+def _entry(fn: Callable, rank: int, world: int, port: int, listener, threads: int, args: tuple, results,
+           backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
     try:
         torch.set_num_threads(threads)
-        join_group(rank, world, port, listener, 120)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        join_group(rank, world, port, listener, 120, backend)
         out = fn(rank, world, *args)
         # plain pickle copies tensor data; the queue's own pickler would pass shared-memory handles
         # that vanish when this process exits
@@ -77,8 +107,9 @@ def _entry(fn: Callable, rank: int, world: int, port: int, listener, threads: in
 
 
 def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 300.0,
-                 threads: int | None = None) -> list[Any]:
-    """Call `fn(rank, world, *args)` in `world` spawned processes joined in a gloo group.
+                 threads: int | None = None, backend: str = "gloo") -> list[Any]:
+    """Call `fn(rank, world, *args)` in `world` spawned processes joined in a `backend` group
+    (gloo, or nccl with rank r on GPU r).
 
     `fn` must be importable (module level). Returns the results in rank order; raises RanksFailed
     with every failing rank's traceback, or naming the ranks that did not answer in `timeout_s`.
@@ -88,7 +119,8 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: floa
     listener = store_listener()
     port = listener.getsockname()[1]
     threads = threads or threads_per_rank(world)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, listener if r == 0 else None, threads, args, results),
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, listener if r == 0 else None, threads, args, results,
+                                                        backend),
                          daemon=True) for r in range(world)]
     try:
         for p in procs:

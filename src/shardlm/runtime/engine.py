@@ -64,7 +64,8 @@ class GenerateResult:
 
 @dataclass
 class LocalEngine:
-    """tp x pp ranks as local processes over gloo (and shared memory for each stage's collectives)."""
+    """tp x pp ranks as local processes over gloo (and shared memory for each stage's collectives),
+    or over NCCL when they run on GPUs of their own."""
 
     model_dir: str
     family: str
@@ -85,6 +86,8 @@ class LocalEngine:
     """Torch threads per rank; default: this machine's cores divided among the ranks."""
     shm: bool = True
     """Use the shared-memory transport for collectives between local ranks."""
+    device: str = "cpu"
+    """"cpu" or "cuda": rank r runs on GPU r mod the GPUs it sees (NCCL when each rank has its own GPU)."""
     timeout_s: float = 300.0
     """Longest wait for any rank; a silent rank past it is reported as hung."""
     load_s: float = 0.0
@@ -113,7 +116,7 @@ class LocalEngine:
                 cfg = WorkerConfig(rank, world, port, str(self.model_dir), self.family, self.args.to_dict(),
                                    self.dtype, threads, shm_bytes, self.timeout_s, self.tp, tuple(self.stage_layers),
                                    self.quantization, self.memory_budget, self.offload_dir, self.prefetch,
-                                   tuple(self.stream_layers))
+                                   tuple(self.stream_layers), self.device)
                 p = ctx.Process(target=_rank_main, args=(cfg, self._requests, self._results, listener if rank == 0 else None),
                                 daemon=True, name=f"shardlm-rank{rank}")
                 p.start()

@@ -15,22 +15,32 @@ def _not_yet(what: str, field: str, value, fix: str) -> UserError:
     return UserError(f"{what} is not supported by the runtime yet (the manifest has {field}: {value}); {fix}")
 
 
-def check_runnable(plan: Plan, source: str) -> None:
-    """Raise UserError naming the manifest field for anything the local runtime cannot run yet."""
+def on_gpus(plan: Plan) -> bool:
+    """True when the manifest places its ranks on GPUs (its cluster names no CPU workers)."""
+    return plan.cluster != "local" and "cpu" not in plan.cluster.lower()
+
+
+def check_runnable(plan: Plan, source: str, device: str = "cpu") -> None:
+    """Raise UserError naming the manifest field for anything the local runtime cannot run yet on `device`."""
     lay = plan.layout
     if lay.dp > 1:
         raise _not_yet("running data-parallel replicas", "parallelism.data", lay.dp, "set parallelism.data to 1")
-    if plan.offload.tier == "cpu":
+    if plan.offload.tier == "cpu" and device != "cuda":
         raise UserError(f"{source} streams layers from host RAM (offload.tier: cpu), which is for GPU ranks; the CPU "
-                        "runtime already holds weights in host RAM. Plan for this machine's CPU ranks (offload.tier: "
-                        "disk) or set offload.tier to none")
+                        "runtime already holds weights in host RAM. Run it with --device cuda, plan for this "
+                        "machine's CPU ranks (offload.tier: disk), or set offload.tier to none")
+    if plan.offload.tier == "disk" and device == "cuda":
+        raise _not_yet("streaming layers from disk to GPUs", "offload.tier", "disk",
+                       "plan with host-RAM offload (offload.tier: cpu) for GPU ranks, or run on CPU ranks")
     if plan.dtype not in RUNTIME_DTYPES:
         raise UserError(f"dtype {plan.dtype} in {source} is not supported by the runtime; use one of "
                         f"{', '.join(RUNTIME_DTYPES)}")
-    if plan.cluster != "local" and "cpu" not in plan.cluster.lower():
-        raise UserError(f"{source} places ranks on {plan.cluster}, but the runtime runs ranks as CPU processes on "
-                        "this machine; plan for this machine with --devices NxCPU-SIZE (e.g. 2xcpu-4GB) or omit "
-                        "--devices")
+    if on_gpus(plan) and device != "cuda":
+        raise UserError(f"{source} places ranks on {plan.cluster} GPUs; run it with --device cuda on a machine with "
+                        "them, or plan for this machine's CPU ranks with --devices NxCPU-SIZE (e.g. 2xcpu-4GB)")
+    if not on_gpus(plan) and device == "cuda":
+        raise UserError(f"{source} was planned for CPU ranks ({plan.cluster}) but --device cuda was given; plan for "
+                        "the GPUs (e.g. --devices 1xH100-80GB) or drop --device cuda")
 
 
 def model_folder(plan: Plan) -> str | None:
@@ -52,7 +62,7 @@ def apply_manifest(plan: Plan, source: str, opts: GenerateOptions, given: dict[s
     `given` says which of tp, pp and layers the user also passed on the command line: those must
     agree with the manifest.
     """
-    check_runnable(plan, source)
+    check_runnable(plan, source, opts.device)
     lay = plan.layout
     counts = tuple(b - a for a, b in lay.stage_layers)
     fixed = {"tp": (opts.tp, lay.tp, "parallelism.tensor"), "pp": (opts.pp, lay.pp, "parallelism.pipeline"),
@@ -68,6 +78,8 @@ def apply_manifest(plan: Plan, source: str, opts: GenerateOptions, given: dict[s
                    quantization=quant)
     if plan.offload.tier == "disk" and not opts.memory_budget:  # a --memory-budget given on the command line wins
         opts = replace(opts, stream_layers=tuple(plan.offload.layers), offload_dir=opts.offload_dir or plan.offload.dir)
+    elif plan.offload.tier == "cpu" and not opts.memory_budget:  # GPU ranks: the last layers stream from host RAM
+        opts = replace(opts, stream_layers=tuple(plan.offload.layers))
     return opts
 
 

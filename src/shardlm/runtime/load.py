@@ -23,6 +23,7 @@ from shardlm.checkpoint.quantized import read_quantized
 from shardlm.models.args import read_config
 from shardlm.quant import quantize_linear
 from shardlm.quant_spec import QuantizationError, check_kind, checkpoint_quantization, is_quantizable
+from shardlm.runtime.device_stream import DeviceStreamer, PinnedStore
 from shardlm.runtime.offload import LayerStreamer, OffloadStore, plan_streaming, trim_heap
 
 
@@ -47,7 +48,9 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     each linear weight as soon as it is read (see shardlm.quant), so the float model is never held.
     `memory_budget` (bytes of weights and read buffers) streams the layers that do not fit from a
     scratch file in `offload_dir` (see runtime/offload.py); each such layer is written out as soon as
-    it is loaded, so the rank never holds more than its budget plus one layer. The streamer, when
+    it is loaded, so the rank never holds more than its budget plus one layer. On a GPU `device`
+    the budget is GPU memory, and the layers beyond it go to pinned host memory instead and are
+    copied in on a side stream (runtime/device_stream.py). The streamer, when
     there is one, is `model.streamer`; `offload_io` is how it brings layers in ("mmap" or "read",
     see LayerStreamer). SHARDLM_OFFLOAD_UNCACHED=1 evicts streamed layers from the page cache
     after each use, so every step reads the disk (for benchmarks). `stream_last` streams exactly
@@ -61,12 +64,20 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
                                 "float checkpoint")
     quantization = stored or quantization
     check_kind(quantization, device)
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu and quantization == "int4" and torch.cuda.get_device_capability(device) < (8, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise QuantizationError(f"int4 weights need a GPU of compute capability 8.0 or later (the CUDA int4 kernel); "
+                                f"{torch.cuda.get_device_name(device)} is {major}.{minor}; use --quantization int8")
     model = rank_meta_model(family, args, coord, stage, ctx)
-    plan = plan_streaming(model, memory_budget, quantization, prefetch, dtype, stream_last) \
+    plan = plan_streaming(model, memory_budget, quantization, prefetch, dtype, stream_last, vocab_ok=not on_gpu) \
         if memory_budget or stream_last else None
     rank = coord.rank if rank is None else rank
-    store = OffloadStore(Path(offload_dir or default_offload_dir()), rank) \
-        if plan and (plan.streamed or plan.vocab) else None
+    if on_gpu:  # the GPU tier: layers beyond the budget wait in pinned host memory
+        store = PinnedStore() if plan and plan.streamed else None
+    else:
+        store = OffloadStore(Path(offload_dir or default_offload_dir()), rank) \
+            if plan and (plan.streamed or plan.vocab) else None
     vocab: dict[str, tuple[int, int]] = {}
     try:
         extents = _load_weights(model, folder, family, args, coord, ctx, dtype, device, rank, quantization, store,
@@ -94,7 +105,11 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     trim_heap()  # what reading, converting and quantizing freed
     if torch.device(device).type == "cpu":
         prepare_linears(model, kernels)
-    if store is not None:
+    if store is not None and on_gpu:
+        order = [m for m in model.model.layers.values() if m in extents]
+        model.streamer = DeviceStreamer(extents, order, torch.device(device), prefetch)
+        model.stream_plan = plan
+    elif store is not None:
         order = [m for m in model.model.layers.values() if m in extents]
         model.streamer = LayerStreamer(store, extents, order, prefetch, offload_io,
                                        os.environ.get("SHARDLM_OFFLOAD_UNCACHED") == "1", vocab,
@@ -138,7 +153,7 @@ def _load_weights(model: nn.Module, folder, family: Family, args: ModelArgs, coo
                 module = _fast_linear(model, module_name)
                 in_total = getattr(module, "in_total", param.shape[1])
                 rows, cols = param_slices(read.name, (read.shape[0], in_total), family.tp_plan, coord)
-                module.quant = read_quantized(src, read.name, quantization, rows, cols, in_total)
+                module.quant = read_quantized(src, read.name, quantization, rows, cols, in_total, device)
                 module.weight = None
                 continue
             if read.local_shape != tuple(param.shape):

@@ -62,6 +62,8 @@ class WorkerConfig:
     """Read the next streamed layer while the current one computes."""
     stream_layers: tuple = ()
     """Per stage, how many of its last layers stream from disk (a manifest's offload.layers); overrides the budget."""
+    device: str = "cpu"
+    """"cpu", or "cuda": rank r runs on GPU r mod the GPUs it sees (NCCL when each rank has its own)."""
 
     @property
     def pp(self) -> int:

@@ -518,12 +518,13 @@ class StreamPlan:
 
 
 def plan_streaming(model: nn.Module, budget: int | None, quantization: str | None, prefetch: bool,
-                   dtype: torch.dtype, stream_last: int | None = None) -> StreamPlan:
+                   dtype: torch.dtype, stream_last: int | None = None, vocab_ok: bool = True) -> StreamPlan:
     """Keep the first layers resident while embedding/head + resident layers + read buffers fit `budget`;
     stream the rest. Raises OffloadError when even streaming every layer does not fit.
 
     `stream_last` (a manifest's `offload.layers` for this stage) instead streams exactly the last
-    that many layers of the stage, whatever the budget."""
+    that many layers of the stage, whatever the budget. `vocab_ok` False (GPU ranks) never plans
+    the embedding / head in place from a file."""
     elem = torch.empty(0, dtype=dtype).element_size()
     layers = {int(k): v for k, v in model.model.layers.items()}
     sizes = {i: estimated_bytes(m, quantization, elem) for i, m in layers.items()}
@@ -550,7 +551,7 @@ def plan_streaming(model: nn.Module, budget: int | None, quantization: str | Non
     biggest = max(sizes.values())
     minimum = outer + buffers * biggest
     mapped: tuple[str, ...] = ()
-    if budget < minimum and vocab:  # use the embedding / head in place from the file too
+    if budget < minimum and vocab and vocab_ok:  # use the embedding / head in place from the file too
         chunk = vocab_chunk(max(vocab.values()))  # head rows mapped at a time
         minimum = outer - sum(vocab.values()) + buffers * biggest + chunk
         outer, mapped = outer - sum(vocab.values()) + chunk, tuple(vocab)

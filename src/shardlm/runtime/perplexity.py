@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from shardlm.parallel.context import ParallelContext
 from shardlm.runtime.load import build_rank_model, shard_coord
-from shardlm.runtime.step import attention_mask, positions_for
+from shardlm.runtime.step import attention_mask, model_device, positions_for
 
 
 def default_text() -> str:
@@ -43,6 +43,7 @@ class PerplexityResult:
 def score(model, ids: list[int], window: int, max_seq_len: int) -> tuple[float, int, int]:
     """(sum of NLL, tokens scored, windows) of `ids` under `model` in windows of `window` tokens."""
     window = max(2, min(window, max_seq_len))
+    device = model_device(model)
     total, count, n = 0.0, 0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = torch.tensor([ids[start:start + window]])  # (1, s)
@@ -51,20 +52,20 @@ def score(model, ids: list[int], window: int, max_seq_len: int) -> tuple[float, 
         valid = torch.ones_like(chunk, dtype=torch.bool)
         mask = attention_mask(valid, 0, chunk.shape[1], model.args.sliding_window)  # (1, 1, s, s)
         with torch.inference_mode():
-            logits = model(chunk, positions_for(valid), mask)  # (1, s, vocab) float32
-        nll = F.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum")
+            logits = model(chunk.to(device), positions_for(valid).to(device), mask.to(device))  # (1, s, vocab) float32
+        nll = F.cross_entropy(logits[0, :-1].cpu(), chunk[0, 1:], reduction="sum")
         total, count, n = total + float(nll), count + chunk.shape[1] - 1, n + 1
     return total, count, n
 
 
 def perplexity(folder: Path, family, args, text: str, tokenizer, dtype: str = "float32",
-               quantization: str | None = None, window: int = 512) -> PerplexityResult:
-    """Perplexity of the model in `folder` (loaded on one CPU rank) on `text`."""
+               quantization: str | None = None, window: int = 512, device: str = "cpu") -> PerplexityResult:
+    """Perplexity of the model in `folder` (loaded on one rank on `device`) on `text`."""
     from shardlm.quant import model_bytes
 
     t0 = time.perf_counter()
     model = build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(),
-                             getattr(torch, dtype), quantization=quantization)
+                             getattr(torch, dtype), device, quantization=quantization)
     ids = tokenizer(text)["input_ids"]
     if len(ids) < 2:
         raise ValueError(f"the text has {len(ids)} token(s); perplexity needs at least 2")

@@ -24,8 +24,8 @@ from torch import nn
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.stages import micro_batch_rows
 from shardlm.runtime.messages import SamplingParams
-from shardlm.runtime.sampling import row_generators, sample
-from shardlm.runtime.step import Batch, GenerationStats, Outputs, Rows, attention_mask, positions_for
+from shardlm.runtime.sampling import row_generators
+from shardlm.runtime.step import Batch, GenerationStats, Outputs, Rows, attention_mask, model_device, pick, positions_for
 
 PREFILL, DECODE, STOP = 0, 1, 2
 
@@ -37,7 +37,7 @@ def _rows_of(batch: Batch, m: int, model: nn.Module, kv_heads: int, max_new_toke
     out = []
     for a, b in micro_batch_rows(batch.tokens.shape[0], m):
         part = Batch(batch.tokens[a:b], batch.valid[a:b])
-        out.append((a, Rows(part, layer_ids, kv_heads, max_new_tokens, args, dtype)))
+        out.append((a, Rows(part, layer_ids, kv_heads, max_new_tokens, args, dtype, model_device(model))))
     return out
 
 
@@ -81,7 +81,7 @@ def _first_stage(model, ctx, batch, parts, max_new_tokens, eos_ids, on_token, st
         j = inflight.popleft()
         a, rows = parts[j]
         n = rows.valid.shape[0]
-        token = ctx.recv((n,), torch.long, ctx.pipe.last)  # (n,) sampled on the last stage
+        token = ctx.recv((n,), torch.long, ctx.pipe.last).cpu()  # (n,) sampled on the last stage
         was_done = outputs.done[a:a + n].clone()
         finished = outputs.record(a, token)
         if on_token is not None:
@@ -130,7 +130,7 @@ def _later_stage(model, ctx, batch, parts, max_new_tokens, params, eos_ids) -> l
         if not pipe.is_last:
             _send_on(ctx, kind, j, out)
             continue
-        token = sample(out[:, -1], params, gens[a:a + n])  # (n,)
+        token = pick(out[:, -1], params, gens[a:a + n])  # (n,)
         outputs.record(a, token)
         ctx.send(token, pipe.first)
 
@@ -147,7 +147,8 @@ def pipeline_logits(model: nn.Module, ctx: ParallelContext, batch: Batch) -> tor
         x = batch.tokens
     else:
         x = ctx.recv((batch.tokens.shape[0], s, model.args.dim), next(model.parameters()).dtype, pipe.prev)
-    out = model(x, positions, mask)
+    device = model_device(model)
+    out = model(x.to(device), positions.to(device), mask.to(device))
     if not pipe.is_last:
         ctx.send(out, pipe.next)
         ctx.flush()

@@ -64,6 +64,8 @@ class GenerateOptions:
     """Read the next streamed layer while the current one computes."""
     stream_layers: tuple[int, ...] = ()
     """Per stage, how many of its last layers stream from disk (from a manifest's offload.layers)."""
+    device: str = "cpu"
+    """"cpu" or "cuda" (rank r on GPU r mod the GPUs; NCCL when every rank has its own GPU)."""
 
     @property
     def world(self) -> int:
@@ -96,8 +98,10 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
         raise UserError("empty prompt: give at least one non-empty PROMPT, e.g. shardlm generate \"Hello\"")
     if opts.dtype not in RUNTIME_DTYPES:
         raise UserError(f"--dtype {opts.dtype} is not supported; use one of {', '.join(RUNTIME_DTYPES)}")
+    if opts.device not in ("cpu", "cuda"):
+        raise UserError(f"--device {opts.device} is not supported; use cpu or cuda")
     try:
-        check_kind(opts.quantization)
+        check_kind(opts.quantization, opts.device)
     except QuantizationError as e:
         raise UserError(str(e)) from e
     if opts.max_new_tokens < 1:
@@ -111,10 +115,17 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
                         f"heads and every rank needs at least one; use --tp {min(max(opts.tp, 1), args.n_heads)}")
     check_stages(opts, args)
     weights = weight_bytes(args, opts.dtype, opts.quantization)
+    if opts.device == "cuda" and opts.offload_dir:
+        raise UserError("--offload-dir applies to CPU ranks; on GPUs the layers beyond --memory-budget stay in "
+                        "pinned host memory and stream to the GPU; drop --offload-dir")
+    if opts.device == "cuda":
+        # weights go to the GPUs; host memory holds only the layers streamed from it
+        weights = max(0, weights - opts.world * opts.memory_budget) if opts.memory_budget else 0
     if opts.memory_budget or opts.stream_layers:
-        if opts.memory_budget:
+        if opts.memory_budget and opts.device == "cpu":
             weights = min(weights, opts.world * opts.memory_budget)
-        check_offload_dir(opts.offload_dir)
+        if opts.device == "cpu":
+            check_offload_dir(opts.offload_dir)
     elif opts.offload_dir or not opts.prefetch:
         raise UserError("--offload-dir and --no-prefetch only apply with --memory-budget SIZE; add it or drop them")
     need = weights + opts.world * RANK_OVERHEAD_BYTES
@@ -220,13 +231,14 @@ def run_generate(job: Prepared, on_token: Callable[[list[int]], None] | None = N
     m = opts.micro_batch_count()
     with LocalEngine(str(job.folder), job.family.name, job.args, tp=opts.tp, stage_layers=stages,
                      dtype=opts.dtype, quantization=opts.quantization, memory_budget=opts.memory_budget,
-                     offload_dir=opts.offload_dir, prefetch=opts.prefetch, stream_layers=opts.stream_layers) as engine:
+                     offload_dir=opts.offload_dir, prefetch=opts.prefetch, stream_layers=opts.stream_layers,
+                     device=opts.device) as engine:
         result = engine.generate(job.prompt_ids, opts.max_new_tokens, opts.sampling, pad_id(tok), on_token=on_token,
                                  ignore_eos=opts.ignore_eos, micro_batches=m)
         load_s, ready = engine.load_s, engine.ready
     texts = [tok.decode(t, skip_special_tokens=True) for t in result.token_ids]
     summary = {
-        "model": str(job.folder), "tp": opts.tp, "pp": opts.pp, "dtype": opts.dtype,
+        "model": str(job.folder), "tp": opts.tp, "pp": opts.pp, "dtype": opts.dtype, "device": opts.device,
         "quantization": opts.quantization or "none",
         "stages": [list(r) for r in stages] or [[0, job.args.n_layers]], "micro_batches": m,
         "text": texts, "token_ids": result.token_ids,
@@ -235,7 +247,8 @@ def run_generate(job: Prepared, on_token: Callable[[list[int]], None] | None = N
             "prefill_tokens_per_s": result.prompt_tokens / max(result.prefill_s, 1e-9),
             "decode_tokens_per_s": result.decode_tokens / max(result.decode_s, 1e-9) if result.decode_tokens else None,
         },
-        "ranks": [{"rank": r, "stage": r // opts.tp, "tp_rank": r % opts.tp, "peak_rss_bytes": rep["peak_rss_bytes"],
+        "ranks": [{"rank": r, "stage": r // opts.tp, "tp_rank": r % opts.tp, "device": ready[r].get("device", "cpu"),
+                   "peak_rss_bytes": rep["peak_rss_bytes"], "peak_gpu_bytes": rep.get("peak_gpu_bytes"),
                    "weight_bytes": ready[r]["weight_bytes"], "rss_before_load_bytes": ready[r]["rss_before_load_bytes"], "load_s": ready[r]["load_s"],
                    "comms": rep["comms"], **_streaming(ready[r], rep, result)} for r, rep in enumerate(result.ranks)],
     }

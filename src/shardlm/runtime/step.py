@@ -1,4 +1,10 @@
-"""Prefill and decode on one rank: left-padded batches, attention masks, rotary positions, KV cache."""
+"""Prefill and decode on one rank: left-padded batches, attention masks, rotary positions, KV cache.
+
+The bookkeeping (tokens, masks, positions, sampling) stays in host memory on every device; a GPU
+rank gets each step's inputs copied in and hands back only the sampled tokens (greedy: the argmax
+runs on the GPU) or the last position's logits (sampling draws on the host, so a seed gives the
+same tokens on CPU and GPU ranks).
+"""
 
 from __future__ import annotations
 
@@ -56,6 +62,22 @@ def attention_mask(valid: torch.Tensor, start: int, s: int, window: int | None) 
     return mask[:, None]  # (b, 1, s, t)
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """The device a model's (first non-meta) parameters live on."""
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
+    """`sample` for logits (b, vocab) on any device -> host tokens (b,). Greedy takes the argmax where
+    the logits are; sampling draws on the host with the rows' generators."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1).cpu()
+    return sample(logits.float().cpu(), params, generators)
+
+
 @dataclass
 class GenerationStats:
     """Timings of one generate call on this rank."""
@@ -73,12 +95,14 @@ class Rows:
     A whole batch in the plain path; one micro-batch on one stage in the pipelined path.
     """
 
-    def __init__(self, batch: Batch, layer_ids: list[int], kv_heads: int, max_new_tokens: int, args, dtype):
+    def __init__(self, batch: Batch, layer_ids: list[int], kv_heads: int, max_new_tokens: int, args, dtype,
+                 device: torch.device | str = "cpu"):
         b, s = batch.tokens.shape
         self.valid = batch.valid  # (b, t): which cache slots hold real tokens
         self.positions = positions_for(batch.valid)  # (b, s) positions of the tokens about to run
         self.window = args.sliding_window
-        self.cache = KVCache(layer_ids, b, kv_heads, s + max_new_tokens, args.head_dim, dtype)
+        self.device = torch.device(device)
+        self.cache = KVCache(layer_ids, b, kv_heads, s + max_new_tokens, args.head_dim, dtype, self.device)
 
     def prefill_mask(self) -> torch.Tensor:
         """Mask (b, 1, s, s) of the prompt pass."""
@@ -92,8 +116,13 @@ class Rows:
         return attention_mask(self.valid, self.cache.offset, 1, self.window)
 
     def forward(self, model: nn.Module, inputs: torch.Tensor, mask: torch.Tensor, last_only: bool = True) -> torch.Tensor:
-        """Run `model` on `inputs` at the current positions and fill the cache."""
-        out = model(inputs, self.positions, mask, self.cache, last_only=last_only)
+        """Run `model` on `inputs` at the current positions and fill the cache (inputs, positions and
+        mask are copied to the model's device first)."""
+        if self.device.type != "cpu":
+            inputs, positions, mask = (t.to(self.device, non_blocking=True) for t in (inputs, self.positions, mask))
+        else:
+            positions = self.positions
+        out = model(inputs, positions, mask, self.cache, last_only=last_only)
         self.cache.advance(inputs.shape[1])
         return out
 
@@ -140,7 +169,7 @@ def generate(model: nn.Module, batch: Batch, max_new_tokens: int, params: Sampli
     args = model.args
     b = batch.tokens.shape[0]
     dtype = next(model.parameters()).dtype
-    rows = Rows(batch, list(range(args.n_layers)), kv_heads, max_new_tokens, args, dtype)
+    rows = Rows(batch, list(range(args.n_layers)), kv_heads, max_new_tokens, args, dtype, model_device(model))
     gens = row_generators(params.seed, b)
     outputs = Outputs(b, eos_ids, max_new_tokens)
     t0 = time.perf_counter()
@@ -149,7 +178,7 @@ def generate(model: nn.Module, batch: Batch, max_new_tokens: int, params: Sampli
     stats.prompt_tokens += int(batch.valid.sum())
     t0 = time.perf_counter()
     while True:
-        token = sample(logits[:, -1], params, gens)  # (b,)
+        token = pick(logits[:, -1], params, gens)  # (b,)
         was_done = outputs.done.clone()
         finished = outputs.record(0, token)
         if on_token is not None:

@@ -28,7 +28,7 @@ from shardlm.models.args import ModelArgs, ModelConfigError
 from shardlm.models.registry import FAMILIES
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.stages import StageSpec
-from shardlm.parallel.launch import join_group
+from shardlm.parallel.launch import DeviceError, join_group, pick_backend, rank_device
 from shardlm.parallel.pipeline import pipeline_context
 from shardlm.quant import model_bytes
 from shardlm.quant_spec import QuantizationError
@@ -87,7 +87,7 @@ def rank_main(cfg: WorkerConfig, requests, results, listener=None) -> None:
     try:
         _serve(cfg, requests, results, listener)
     except BaseException as e:  # noqa: BLE001 - report every failure to the driver, then exit non-zero
-        user_error = isinstance(e, (CheckpointError, ModelConfigError, QuantizationError, OffloadError))
+        user_error = isinstance(e, (CheckpointError, ModelConfigError, QuantizationError, OffloadError, DeviceError))
         results.put(("error", cfg.rank, f"{type(e).__name__}: {e}", traceback.format_exc(), user_error))
         code = 1
     results.close()
@@ -100,21 +100,36 @@ def rank_main(cfg: WorkerConfig, requests, results, listener=None) -> None:
     os._exit(code)
 
 
-def _setup(cfg: WorkerConfig, listener) -> ParallelContext:
+def _setup(cfg: WorkerConfig, listener) -> tuple[ParallelContext, str]:
+    """Join the group on this rank's device; returns the context and the device ("cpu" or "cuda:i")."""
     torch.set_num_threads(cfg.threads)
-    join_group(cfg.rank, cfg.world, cfg.port, listener, cfg.timeout_s)
-    return pipeline_context(cfg.rank, cfg.tp or cfg.world, cfg.pp, cfg.shm_bytes, cfg.timeout_s)
+    gpus = torch.cuda.device_count() if cfg.device == "cuda" else 0
+    device = rank_device(cfg.device, cfg.rank, gpus)
+    backend = pick_backend(cfg.device, cfg.world, gpus)
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    join_group(cfg.rank, cfg.world, cfg.port, listener, cfg.timeout_s, backend)
+    # the shared-memory transport serves host tensors: with gloo, CUDA ranks stage through it too
+    ctx = pipeline_context(cfg.rank, cfg.tp or cfg.world, cfg.pp, cfg.shm_bytes if backend == "gloo" else 0,
+                           cfg.timeout_s)
+    ctx.cuda_collectives = backend == "nccl"
+    return ctx, device
+
+
+def peak_gpu_bytes(device: str) -> int | None:
+    """Peak bytes the CUDA caching allocator handed out on `device` (None on CPU ranks)."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.startswith("cuda") else None
 
 
 def _serve(cfg: WorkerConfig, requests, results, listener) -> None:
     t0 = time.perf_counter()
-    ctx = _setup(cfg, listener)
+    ctx, device = _setup(cfg, listener)
     rss_before = psutil.Process().memory_info().rss
     family = FAMILIES[cfg.family]
     args = ModelArgs.from_dict(cfg.args)
     coord = shard_coord(args, ctx.rank, ctx.world)
     stage = StageSpec.of(cfg.stage_layers, ctx.pipe.stage) if ctx.pipe is not None else None
-    model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), stage=stage,
+    model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), device, stage=stage,
                              rank=cfg.rank, quantization=cfg.quantization, memory_budget=cfg.memory_budget,
                              offload_dir=cfg.offload_dir, prefetch=cfg.prefetch,
                              stream_last=cfg.stream_layers[ctx.pipe.stage if ctx.pipe else 0] if cfg.stream_layers else None)
@@ -123,6 +138,7 @@ def _serve(cfg: WorkerConfig, requests, results, listener) -> None:
     weight_bytes = model_bytes(model)
     streamer, plan = model.__dict__.get("streamer"), model.__dict__.get("stream_plan")
     results.put(("ready", cfg.rank, {"load_s": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes(),
+                                     "device": device, "peak_gpu_bytes": peak_gpu_bytes(device),
                                      "rss_before_load_bytes": rss_before, "weight_bytes": weight_bytes,
                                      "streamed_layers": list(plan.streamed) if streamer else [],
                                      "streamed_bytes_per_step": streamer.bytes_per_pass if streamer else 0}))
@@ -133,7 +149,7 @@ def _serve(cfg: WorkerConfig, requests, results, listener) -> None:
             req: Request | None = box[0]
             if req is None:
                 return
-            _run(model, req, kv_heads, ctx, cfg.rank, results)
+            _run(model, req, kv_heads, ctx, cfg.rank, results, device)
     finally:
         if streamer is not None:
             streamer.close()
@@ -142,7 +158,7 @@ def _serve(cfg: WorkerConfig, requests, results, listener) -> None:
         dist.destroy_process_group()
 
 
-def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, results) -> None:
+def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, results, device: str = "cpu") -> None:
     stats = GenerationStats()
     streamer = model.__dict__.get("streamer")
     before = streamer.stats.as_dict() if streamer is not None else None
@@ -156,7 +172,8 @@ def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, re
     report: dict[str, Any] = {
         "tokens": out, "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
         "prompt_tokens": stats.prompt_tokens, "decode_tokens": stats.decode_tokens,
-        "peak_rss_bytes": peak_rss_bytes(), "comms": ctx.snapshot(), "streaming": None,
+        "peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": peak_gpu_bytes(device),
+        "comms": ctx.snapshot(), "streaming": None,
     }
     if streamer is not None:
         after = streamer.stats.as_dict()

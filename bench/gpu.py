@@ -1,0 +1,317 @@
+"""GPU benchmark: shardlm on one CUDA rank against transformers, and host-RAM offload against Accelerate.
+
+    python bench/gpu.py --out gpu.json          (on a machine with a CUDA GPU; a few minutes)
+    python bench/gpu.py --report gpu.json [offload.json]   (anywhere: writes the section of bench/RESULTS.md)
+
+The runs recorded in RESULTS.md are kept in bench/gpu-runs/ (the JSON as the GPU machine wrote it).
+
+Weights are random (models/random.py) with the published configs of SmolLM2-135M and Llama-3.2-1B,
+written on the GPU machine itself: no download, and speed does not depend on the values.
+
+Measured after a full-length warm-up of each system, systems alternating within each round,
+medians over --rounds (5):
+  floors   device-to-device copy bandwidth (bytes read + written, 2 GiB buffers) and pinned and
+           pageable host-to-device bandwidth (1 GiB), each the best of 5 after a warm-up
+  decode   batch 1, a 40-token prompt, --new-tokens greedy tokens, EOS ignored. Decode time is
+           wall(generate N) - wall(generate 1) for both systems, synchronized, over N - 1 tokens.
+           shardlm: build_rank_model on cuda:0 + runtime.step.generate (the rank's own code path,
+           in this process). transformers: AutoModelForCausalLM on cuda:0, generate(), eager
+           attention off (its default sdpa). Floor: weight bytes / copy bandwidth.
+  offload  a GPU budget of a fraction of the weights, the rest in host RAM: SmolLM2-135M float32 at
+           30 % and Llama-3.2-1B bfloat16 at 40 % (not 25 %: the embedding, which is also the tied
+           LM head, and two layer buffers must be on the GPU, 26 % and 31 % of these models).
+           shardlm with prefetch (side stream, pinned, double-buffered), without, and Accelerate
+           (device_map="auto", max_memory={0: budget, "cpu": ...}, its CPU offload hooks; 3 rounds,
+           its rate varies by under 5 % between rounds). Floor: bytes streamed per token / pinned host-to-device bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shardlm.models.presets import PRESETS
+from shardlm.models.random import write_random_checkpoint
+
+PROMPT_LEN = 40
+HEADING = "## GPU: decode and host-RAM offload (bench/gpu.py)"
+
+
+def _best(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def floors() -> dict:
+    """Copy and host-to-device bandwidths in bytes/s."""
+    n = 2 * 2**30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy = 2 * n / _best(lambda: dst.copy_(src))
+    src = dst = None  # free 4 GiB before the next buffers
+    torch.cuda.empty_cache()
+    m = 2**30
+    pinned = torch.empty(m, dtype=torch.uint8, pin_memory=True).random_()
+    pageable = torch.empty(m, dtype=torch.uint8).random_()
+    dev = torch.empty(m, dtype=torch.uint8, device="cuda")
+    h2d_pinned = m / _best(lambda: dev.copy_(pinned, non_blocking=True))
+    h2d_pageable = m / _best(lambda: dev.copy_(pageable))
+    return {"copy": copy, "h2d_pinned": h2d_pinned, "h2d_pageable": h2d_pageable}
+
+
+def prompt(vocab: int) -> list[int]:
+    """A fixed random prompt of PROMPT_LEN tokens."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, vocab, (PROMPT_LEN,), generator=g).tolist()
+
+
+class Shardlm:
+    """One CUDA rank in this process: the runtime's own load and generate."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype, quantization=None, budget=None, prefetch=True):
+        from shardlm.models.args import read_config
+        from shardlm.models.registry import args_for_config
+        from shardlm.parallel.context import ParallelContext
+        from shardlm.quant import model_bytes
+        from shardlm.runtime.load import build_rank_model, shard_coord
+
+        family, self.args = args_for_config(read_config(folder))
+        coord = shard_coord(self.args, 0, 1)
+        self.kv = coord.local_kv_heads()
+        self.model = build_rank_model(folder, family, self.args, coord, ParallelContext(), dtype, "cuda:0",
+                                      quantization=quantization, memory_budget=budget, prefetch=prefetch)
+        self.resident = model_bytes(self.model)
+        streamer = self.model.__dict__.get("streamer")
+        self.streamed_per_token = streamer.bytes_per_pass if streamer else 0
+
+    def generate(self, ids: list[int], new: int) -> list[int]:
+        from shardlm.runtime.messages import SamplingParams
+        from shardlm.runtime.step import Batch, generate
+
+        return generate(self.model, Batch.from_lists([ids]), new, SamplingParams(), (), self.kv)[0]
+
+    def stream_stats(self) -> dict | None:
+        streamer = self.model.__dict__.get("streamer")
+        return streamer.stats.as_dict() if streamer else None
+
+    def close(self) -> None:
+        streamer = self.model.__dict__.get("streamer")
+        if streamer is not None:
+            streamer.close()
+        del self.model
+        torch.cuda.empty_cache()
+
+
+class Transformers:
+    """transformers on cuda:0 (its default attention), greedy generate."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda:0").eval()
+
+    @torch.inference_mode()
+    def generate(self, ids: list[int], new: int) -> list[int]:
+        x = torch.tensor([ids], device="cuda:0")
+        out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                                  min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+        return out[0, len(ids):].tolist()
+
+    def close(self) -> None:
+        del self.model
+        torch.cuda.empty_cache()
+
+
+ACCEL = r"""
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+folder, budget, new, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[5])
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map="auto",
+                                             max_memory={0: budget, "cpu": 200 * 2**30}).eval()
+placed = {}
+for k, v in model.hf_device_map.items():
+    placed[str(v)] = placed.get(str(v), 0) + 1
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=g).to("cuda:0")
+def run(n):
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+    torch.cuda.synchronize(); return time.perf_counter() - t0, out[0, 40:].tolist()
+run(8)
+samples = []
+for _ in range(int(sys.argv[4])):
+    t1, _ = run(1); tn, tokens = run(new)
+    samples.append((new - 1) / (tn - t1))
+print(json.dumps({"tok_s": samples, "placed": placed, "tokens": tokens,
+                  "peak_gpu_bytes": torch.cuda.max_memory_allocated()}))
+"""
+
+
+def decode_rate(system, ids: list[int], new: int) -> tuple[float, list[int]]:
+    """Tokens/s over new - 1 decode steps: wall(generate new) - wall(generate 1)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    system.generate(ids, 1)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    tokens = system.generate(ids, new)
+    torch.cuda.synchronize()
+    tn = time.perf_counter() - t1
+    return (new - 1) / (tn - (t1 - t0)), tokens
+
+
+def weight_bytes(folder: Path) -> int:
+    """Bytes of the checkpoint's tensors (its safetensors files)."""
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def run_decode(models: dict, rounds: int, new: int, say) -> list[dict]:
+    """Each model: shardlm (float, int8, int4 where asked) and transformers, alternating per round."""
+    rows = []
+    for label, (folder, dtype, quants) in models.items():
+        from shardlm.models.args import read_config
+
+        ids = prompt(read_config(folder)["vocab_size"])
+        systems = {"transformers": lambda: Transformers(folder, dtype)}
+        for q in quants:
+            systems[f"shardlm{'' if q is None else ' ' + q}"] = (lambda q=q: Shardlm(folder, dtype, q))
+        built = {}
+        for name, make in systems.items():
+            built[name] = make()
+            decode_rate(built[name], ids, new)  # warm-up at full length: kernels, cuBLAS handles, allocator
+        samples = {name: [] for name in built}
+        tokens = {}
+        for r in range(rounds):
+            order = list(built) if r % 2 == 0 else list(reversed(built))
+            for name in order:
+                rate, tokens[name] = decode_rate(built[name], ids, new)
+                samples[name].append(rate)
+            say(f"  {label} round {r + 1}: " + ", ".join(f"{n} {samples[n][-1]:.1f}" for n in built))
+        for name, system in built.items():
+            ref = tokens["transformers"]
+            agree = next((k for k, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
+            rows.append({"model": label, "system": name, "tok_s": samples[name],
+                         "weight_bytes": system.resident if isinstance(system, Shardlm) else weight_bytes(folder),
+                         "tokens_equal_to_transformers": agree, "tokens": len(ref)})
+            system.close()
+    return rows
+
+
+def run_offload(label: str, folder: Path, dtype: torch.dtype, fraction: float, rounds: int, new: int, say) -> dict:
+    """`fraction` of the weights on the GPU: shardlm with and without prefetch, Accelerate."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    stored = torch.float32 if "135M" in label else torch.bfloat16
+    size = weight_bytes(folder) * elem // torch.empty(0, dtype=stored).element_size()  # in `dtype`
+    budget = int(size * fraction)
+    ids = prompt(json.loads((folder / "config.json").read_text())["vocab_size"])
+    out = {"model": label, "dtype": str(dtype).removeprefix("torch."), "fraction": fraction, "budget": budget,
+           "weights": size, "systems": {}}
+    built = {"shardlm prefetch": Shardlm(folder, dtype, budget=budget, prefetch=True),
+             "shardlm no prefetch": Shardlm(folder, dtype, budget=budget, prefetch=False)}
+    for s in built.values():
+        decode_rate(s, ids, new)  # warm-up at full length
+    before = {name: s.stream_stats() for name, s in built.items()}
+    rates, tokens = {name: [] for name in built}, {}
+    for r in range(rounds):  # interleaved, the order alternating: this host's speed drifts over minutes
+        for name in (list(built) if r % 2 == 0 else list(reversed(built))):
+            rate, tokens[name] = decode_rate(built[name], ids, new)
+            rates[name].append(rate)
+    for name, s in built.items():
+        b, a = before[name], s.stream_stats()
+        uses = (a["prefetch_hits"] + a["prefetch_waits"]) - (b["prefetch_hits"] + b["prefetch_waits"])
+        out["systems"][name] = {"tok_s": rates[name], "resident": s.resident, "per_token": s.streamed_per_token,
+                                "hit_rate": (a["prefetch_hits"] - b["prefetch_hits"]) / max(1, uses),
+                                "wait_s_per_token": (a["wait_s"] - b["wait_s"]) / max(1, rounds * new),
+                                "tokens": tokens[name]}
+        say(f"  {name}: {statistics.median(rates[name]):.1f} tok/s, resident {s.resident / 2**20:.0f} MiB, "
+            f"streams {s.streamed_per_token / 2**20:.0f} MiB/token")
+    out["peak_gpu_bytes_both"] = torch.cuda.max_memory_allocated()
+    for s in built.values():
+        s.close()
+    res = subprocess.run([sys.executable, "-c", ACCEL, str(folder), str(budget), str(new), str(min(rounds, 3)),
+                          out["dtype"]],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        out["systems"]["accelerate"] = {"error": res.stderr[-1500:]}
+        say(f"  accelerate failed: {res.stderr[-500:]}")
+    else:
+        acc = json.loads(res.stdout.strip().splitlines()[-1])
+        out["systems"]["accelerate"] = acc
+        say(f"  accelerate: {statistics.median(acc['tok_s']):.1f} tok/s, placed {acc['placed']}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="write the measurements to this JSON file")
+    ap.add_argument("--report", nargs="+", help="render these JSON files (a decode run, an offload run) into "
+                    "bench/RESULTS.md and stop")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--only", choices=("decode", "offload"), help="run one part")
+    ap.add_argument("--work", default=None, help="folder for the random checkpoints (default: a temporary one)")
+    opts = ap.parse_args()
+    if opts.report:
+        from gpu_report import write_report
+
+        write_report([json.loads(Path(f).read_text()) for f in opts.report], opts.report)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA GPU and a CUDA build of torch; torch.cuda.is_available() is False")
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    work = Path(opts.work or tempfile.mkdtemp(prefix="shardlm-gpu-"))
+    t0 = time.perf_counter()
+    small, big = work / "smollm2-135m", work / "llama-3.2-1b"
+    if not (small / "config.json").exists():
+        write_random_checkpoint(PRESETS["smollm2-135m"], small, dtype=torch.float32)
+    if not (big / "config.json").exists():
+        write_random_checkpoint(PRESETS["llama-3.2-1b"], big, dtype=torch.bfloat16, max_shard_bytes=2**30)
+    say(f"checkpoints ready in {time.perf_counter() - t0:.0f} s")
+    import accelerate
+    import transformers
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    result = {"when": dt.datetime.now().isoformat(timespec="minutes"), "gpu": torch.cuda.get_device_name(0),
+              "nvidia_smi": smi, "torch": torch.__version__, "transformers": transformers.__version__,
+              "accelerate": accelerate.__version__, "command": "python bench/gpu.py " + " ".join(sys.argv[1:]),
+              "rounds": opts.rounds, "new_tokens": opts.new_tokens}
+    result["floors"] = floors()
+    say("floors (GB/s): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in result["floors"].items()))
+    result["decode"] = [] if opts.only == "offload" else run_decode({
+        "SmolLM2-135M float32": (small, torch.float32, [None]),
+        "SmolLM2-135M bfloat16": (small, torch.bfloat16, [None]),
+        "Llama-3.2-1B bfloat16": (big, torch.bfloat16, [None, "int8", "int4"]),
+    }, opts.rounds, opts.new_tokens, say)
+    result["offload"] = [] if opts.only == "decode" else [run_offload("SmolLM2-135M", small, torch.float32, 0.3, opts.rounds, min(opts.new_tokens, 64), say),
+                         run_offload("Llama-3.2-1B", big, torch.bfloat16, 0.4, opts.rounds, min(opts.new_tokens, 64), say)]
+    result["seconds"] = time.perf_counter() - t0
+    text = json.dumps(result, indent=1)
+    if opts.out:
+        Path(opts.out).write_text(text)
+    say(f"done in {result['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""CUDA ranks: parity with the unsharded model, NCCL, int8/int4 on the GPU kernels, host-RAM offload.
+
+Skipped where torch sees no CUDA device (CI). The references are transformers' float32 model on
+the CPU: a GPU rank must give the same greedy tokens and logits within 1e-4 x max |logit|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_model
+from refs import assert_logits_close, hf_logits_and_tokens
+from shardlm.models.args import read_config
+from shardlm.models.registry import args_for_config
+from shardlm.parallel.context import ParallelContext
+from shardlm.parallel.launch import run_on_ranks
+from shardlm.quant import int4_codes, int8_codes, pack_int4, pack_int8
+from shardlm.runtime.load import build_rank_model, shard_coord
+from shardlm.runtime.messages import SamplingParams
+from shardlm.runtime.step import Batch, attention_mask, generate, positions_for
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
+
+
+def _prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def cuda_rank(rank: int, world: int, folder: str, prompts, n_new: int, quantization=None, budget=None,
+              prefetch=True):
+    """On one rank, on GPU rank mod the GPUs: full logits over the batch (rank 0), greedy tokens, stats."""
+    import torch.distributed as dist
+
+    device = f"cuda:{rank % torch.cuda.device_count()}"
+    torch.cuda.set_device(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    family, args = args_for_config(read_config(folder))
+    ctx = ParallelContext(rank=rank, world=world, cuda_collectives=dist.get_backend() == "nccl")
+    coord = shard_coord(args, rank, world)
+    model = build_rank_model(folder, family, args, coord, ctx, torch.float32, device, quantization=quantization,
+                             memory_budget=budget, prefetch=prefetch)
+    batch = Batch.from_lists(prompts)
+    s = batch.tokens.shape[1]
+    mask = attention_mask(batch.valid, 0, s, args.sliding_window)
+    logits = model(batch.tokens.to(device), positions_for(batch.valid).to(device), mask.to(device)).cpu()
+    tokens = generate(model, batch, n_new, SamplingParams(), (), coord.local_kv_heads())
+    streamer = model.__dict__.get("streamer")
+    stats = streamer.stats.as_dict() if streamer is not None else None
+    from shardlm.quant import model_bytes
+
+    return (logits if rank == 0 else None), tokens, {"backend": dist.get_backend(), "comms": ctx.snapshot(),
+                                                      "stream": stats, "resident": model_bytes(model),
+                                                      "streamed": list(model.stream_plan.streamed)
+                                                      if streamer is not None else []}
+
+
+def _check(folder, prompts, n_new, tp, backend="gloo"):
+    ref_logits, ref_tokens = hf_logits_and_tokens(hf_model(folder), prompts, n_new)
+    results = run_on_ranks(cuda_rank, tp, str(folder), prompts, n_new, timeout_s=300, backend=backend)
+    assert_logits_close(results[0][0], ref_logits, Batch.from_lists(prompts).valid)
+    for rank, (_, tokens, _) in enumerate(results):
+        assert tokens == ref_tokens, f"rank {rank} tokens differ from transformers"
+    return results
+
+
+@pytest.mark.parametrize("name,tp", [("gqa12x4", 1), ("gqa12x4", 5), ("qwen2", 4), ("llama3rope", 3),
+                                     ("biased_mha", 2), ("mistral_window", 2)])
+def test_cuda_ranks_match_transformers(random_dirs, name, tp):
+    """Ranks sharing one GPU talk over gloo, staging each collective through host memory."""
+    folder = random_dirs[name]
+    vocab = hf_model(folder).config.vocab_size
+    results = _check(folder, _prompts(vocab, [37, 12, 25]), 12, tp)
+    assert results[0][2]["backend"] == "gloo"
+    if tp > 1:
+        assert results[0][2]["comms"]["all_reduce"]["calls"] > 0
+
+
+def test_nccl_rank_matches_transformers(random_dirs):
+    """One rank per GPU on NCCL (world 1 here unless the machine has more GPUs)."""
+    folder = random_dirs["gqa12x4"]
+    world = min(torch.cuda.device_count(), 4)
+    results = _check(folder, _prompts(1001, [20, 9]), 8, world, backend="nccl")
+    assert results[0][2]["backend"] == "nccl"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU; needs 2 GPUs")
+def test_nccl_tensor_parallel_matches_transformers(random_dirs):
+    folder = random_dirs["qwen2"]
+    results = _check(folder, _prompts(997, [20, 9]), 8, 2, backend="nccl")
+    assert results[0][2]["comms"]["all_reduce"]["calls"] > 0
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("out,k,start,total", [(96, 200, 0, 200), (200, 96, 0, 96), (64, 80, 40, 160)])
+def test_gpu_quantized_matmul_equals_its_dequantized_weight(kind, out, k, start, total):
+    """The CUDA kernels compute x @ W_hat^T for the W_hat the codes stand for (same codes as on CPU)."""
+    g = torch.Generator().manual_seed(out + k)
+    w = torch.randn(out, k, generator=g) * 0.05
+    x = torch.randn(5, k, generator=g).to(torch.bfloat16).float()
+    if kind == "int8":
+        q, scale = int8_codes(w)
+        w_hat = q.double() * scale.to(torch.bfloat16).double()[:, None]
+        gpu, cpu = pack_int8(q, scale, "cuda"), pack_int8(q, scale)
+    else:
+        q, scale, zero, left, right = int4_codes(w, start, total)
+        sb, zb = scale.to(torch.bfloat16).double(), zero.to(torch.bfloat16).double()
+        deq = (q.double().view(out, -1, 32) - 8) * sb[..., None] + zb[..., None]  # (out, groups, 32)
+        w_hat = deq.view(out, -1)[:, left:left + k]
+        gpu, cpu = pack_int4(q, scale, zero, 32, left, right, "cuda"), pack_int4(q, scale, zero, 32, left, right)
+    ref = x.double() @ w_hat.t()
+    got = gpu.matmul_t(x.cuda()).double().cpu()
+    err = (got - ref).norm() / ref.norm()
+    assert err < 1e-2, f"{kind} on CUDA: relative error {err:.2e}"
+    cpu_err = (cpu.matmul_t(x).double() - ref).norm() / ref.norm()
+    assert err < cpu_err * 2 + 1e-3, f"CUDA {err:.2e} vs CPU {cpu_err:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_model_on_gpu_is_as_close_to_float32_as_on_cpu(random_dirs, kind):
+    """Same codes on both devices, different kernels: the GPU's logits are as close to the float32
+    model's as the CPU's (both run bfloat16 activations, so neither equals the other exactly)."""
+    folder = random_dirs["gqa12x4"]
+    family, args = args_for_config(read_config(folder))
+    coord = shard_coord(args, 0, 1)
+    batch = Batch.from_lists(_prompts(1001, [30, 11]))
+    s = batch.tokens.shape[1]
+    inputs = (batch.tokens, positions_for(batch.valid), attention_mask(batch.valid, 0, s, None))
+    out = {}
+    for device, q in (("cpu", None), ("cpu", kind), ("cuda:0", kind)):
+        model = build_rank_model(folder, family, args, coord, ParallelContext(), device=device, quantization=q,
+                                 kernels="torch")
+        with torch.no_grad():
+            out[device, q] = model(*(t.to(device) for t in inputs)).cpu()
+    ref, valid = out["cpu", None], batch.valid
+    scale = ref[valid].abs().max()
+
+    def error(x):
+        return ((x - ref)[valid].abs().max() / scale).item(), (x.argmax(-1) == ref.argmax(-1))[valid].float().mean().item()
+
+    (cpu_err, cpu_top1), (gpu_err, gpu_top1) = error(out["cpu", kind]), error(out["cuda:0", kind])
+    assert gpu_err <= 1.5 * cpu_err + 1e-3, f"{kind}: GPU error {gpu_err:.3g} vs CPU {cpu_err:.3g} (x max |logit|)"
+    assert gpu_top1 >= cpu_top1 - 0.05, f"{kind}: GPU top-1 agreement {gpu_top1:.3f} vs CPU {cpu_top1:.3f}"
+
+
+def _budget_streaming_layers(folder, quantization) -> int:
+    """A GPU budget that streams every layer with prefetch (two buffers) and all but one without."""
+    from shardlm.checkpoint.reads import rank_meta_model
+    from shardlm.runtime.offload import plan_streaming
+
+    family, args = args_for_config(read_config(folder))
+    model = rank_meta_model(family, args, shard_coord(args, 0, 1), None, ParallelContext())
+    plan = plan_streaming(model, 2**40, quantization, True, torch.float32, vocab_ok=False)
+    sizes = plan.layer_bytes.values()
+    return plan.outer_bytes + 2 * max(sizes) + min(sizes) // 2
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_layers_streamed_from_host_memory_give_the_same_tokens(random_dirs, prefetch, quantization):
+    folder = random_dirs["gqa12x4"]
+    prompts = _prompts(1001, [37, 12, 25])
+    (_, full, _), = run_on_ranks(cuda_rank, 1, str(folder), prompts, 12, quantization, timeout_s=300)
+    budget = _budget_streaming_layers(folder, quantization)
+    (_, tokens, stats), = run_on_ranks(cuda_rank, 1, str(folder), prompts, 12, quantization, budget, prefetch,
+                                       timeout_s=300)
+    assert tokens == full
+    assert len(stats["streamed"]) == (3 if prefetch else 2), stats["streamed"]
+    assert stats["resident"] <= budget + 4096, (stats["resident"], budget)  # + rotary and GQA-map buffers
+    st = stats["stream"]
+    uses = len(stats["streamed"]) * (1 + 1 + 11)  # the logits pass, the prefill, 11 decode steps
+    assert st["prefetch_hits"] + st["prefetch_waits"] == uses
+    assert st["reads"] == uses + (1 if prefetch else 0)  # prefetch queues the next step's first layer
+    if not prefetch:
+        assert st["prefetch_hits"] == 0  # every copy ran on the compute stream, in its way
+
+
+def test_engine_runs_cuda_ranks_end_to_end(random_dirs):
+    """LocalEngine with --device cuda: the rank processes, their GPU memory report, tokens."""
+    from shardlm.runtime.engine import LocalEngine
+
+    folder = random_dirs["qwen2"]
+    family, args = args_for_config(read_config(folder))
+    prompts = _prompts(997, [15, 7])
+    _, ref_tokens = hf_logits_and_tokens(hf_model(folder), prompts, 10)
+    for tp in (1, 2):
+        with LocalEngine(str(folder), family.name, args, tp=tp, device="cuda", timeout_s=300) as engine:
+            result = engine.generate(prompts, 10, SamplingParams(), ignore_eos=True)
+            ready = engine.ready
+        assert result.token_ids == ref_tokens, f"tp {tp}"
+        assert all(r["device"].startswith("cuda") and r["peak_gpu_bytes"] > 0 for r in ready)
+
+
+def test_sampling_draws_the_same_tokens_on_cpu_and_gpu(random_dirs):
+    """Sampling runs on the host with the rows' generators, so a seed means the same tokens anywhere."""
+    folder = random_dirs["gqa12x4"]
+    family, args = args_for_config(read_config(folder))
+    batch = Batch.from_lists(_prompts(1001, [9, 14]))
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3)
+    out = []
+    for device in ("cpu", "cuda:0"):
+        model = build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(), device=device,
+                                 kernels="torch")
+        out.append(generate(model, batch, 8, params, (), args.n_kv_heads))
+    assert out[0] == out[1]
