@@ -15,8 +15,9 @@ medians over --rounds (5):
   decode   batch 1, a 40-token prompt, --new-tokens greedy tokens, EOS ignored. Decode time is
            wall(generate N) - wall(generate 1) for both systems, synchronized, over N - 1 tokens.
            shardlm: build_rank_model on cuda:0 + runtime.step.generate (the rank's own code path,
-           in this process). transformers: AutoModelForCausalLM on cuda:0, generate(), eager
-           attention off (its default sdpa). Floor: weight bytes / copy bandwidth.
+           in this process), decode steps as CUDA graph replays, and "shardlm eager" without them.
+           transformers: AutoModelForCausalLM on cuda:0, generate() with its defaults (sdpa
+           attention, no compile, no static cache). Floor: weight bytes / copy bandwidth.
   offload  a GPU budget of a fraction of the weights, the rest in host RAM: SmolLM2-135M float32 at
            30 % and Llama-3.2-1B bfloat16 at 40 % (not 25 %: the embedding, which is also the tied
            LM head, and two layer buffers must be on the GPU, 26 % and 31 % of these models).
@@ -84,7 +85,8 @@ def prompt(vocab: int) -> list[int]:
 class Shardlm:
     """One CUDA rank in this process: the runtime's own load and generate."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype, quantization=None, budget=None, prefetch=True):
+    def __init__(self, folder: Path, dtype: torch.dtype, quantization=None, budget=None, prefetch=True,
+                 graphs: bool = True):
         from shardlm.models.args import read_config
         from shardlm.models.registry import args_for_config
         from shardlm.parallel.context import ParallelContext
@@ -96,6 +98,7 @@ class Shardlm:
         self.kv = coord.local_kv_heads()
         self.model = build_rank_model(folder, family, self.args, coord, ParallelContext(), dtype, "cuda:0",
                                       quantization=quantization, memory_budget=budget, prefetch=prefetch)
+        self.model.cuda_graphs = graphs  # decode steps as CUDA graph replays (runtime/cuda_graph.py)
         self.resident = model_bytes(self.model)
         streamer = self.model.__dict__.get("streamer")
         self.streamed_per_token = streamer.bytes_per_pass if streamer else 0
@@ -193,6 +196,8 @@ def run_decode(models: dict, rounds: int, new: int, say) -> list[dict]:
         systems = {"transformers": lambda: Transformers(folder, dtype)}
         for q in quants:
             systems[f"shardlm{'' if q is None else ' ' + q}"] = (lambda q=q: Shardlm(folder, dtype, q))
+            if q is None:
+                systems["shardlm eager"] = lambda: Shardlm(folder, dtype, graphs=False)
         built = {}
         for name, make in systems.items():
             built[name] = make()

@@ -12,5 +12,5 @@ $PY -c "import torch, transformers, accelerate; print('torch', torch.__version__
 timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu \
     2>&1 | tee "$OUT/tests.log"
 echo "tests exit ${PIPESTATUS[0]}"
-timeout "${BENCH_TIMEOUT:-330}" $PY bench/gpu.py --out "$OUT/gpu.json" --rounds "${ROUNDS:-5}" 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-330}" $PY bench/gpu.py --out "$OUT/gpu.json" --rounds "${ROUNDS:-5}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 echo "bench exit ${PIPESTATUS[0]}"

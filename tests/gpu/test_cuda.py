@@ -205,3 +205,22 @@ def test_sampling_draws_the_same_tokens_on_cpu_and_gpu(random_dirs):
                                  kernels="torch")
         out.append(generate(model, batch, 8, params, (), args.n_kv_heads))
     assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("name", ["gqa12x4", "mistral_window", "qwen2"])
+def test_cuda_graph_decode_gives_the_eager_tokens(random_dirs, name):
+    """Graph replays (static shapes: full-length cache under a mask) give eager decode's tokens, and a
+    second call of the same shape reuses the captured graph and its cache."""
+    folder = random_dirs[name]
+    family, args = args_for_config(read_config(folder))
+    model = build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(), device="cuda:0")
+    batch = Batch.from_lists(_prompts(args.vocab_size, [21, 6, 13]))
+    model.cuda_graphs = False
+    eager = generate(model, batch, 20, SamplingParams(), (), args.n_kv_heads)
+    assert "_graph_decoders" not in model.__dict__
+    model.cuda_graphs = True
+    first = generate(model, batch, 20, SamplingParams(), (), args.n_kv_heads)
+    second = generate(model, batch, 20, SamplingParams(), (), args.n_kv_heads)
+    assert first == eager and second == eager
+    (decoder,) = model._graph_decoders.values()
+    assert decoder.graph is not None and not decoder.failed

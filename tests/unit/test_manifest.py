@@ -218,3 +218,17 @@ def test_docs_examples_parse():
     assert len(examples) == 2
     for text in examples:
         parse_manifest(text, source="docs/manifest.md")
+
+
+def test_a_gpu_plan_needs_device_cuda_and_a_cpu_plan_refuses_it():
+    from dataclasses import replace
+
+    from shardlm.runtime.from_manifest import check_runnable
+    from shardlm.runtime.session import UserError
+
+    plan = replace(plan_tp3(), cluster="8xH100-80GB")
+    with pytest.raises(UserError, match="run it with --device cuda"):
+        check_runnable(plan, "m.yaml", "cpu")
+    check_runnable(plan, "m.yaml", "cuda")
+    with pytest.raises(UserError, match="drop --device cuda"):
+        check_runnable(replace(plan, cluster="2xcpu-4GB"), "m.yaml", "cuda")

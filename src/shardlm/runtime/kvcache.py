@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -20,9 +22,25 @@ class KVCache:
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.max_len = max_len
         self.offset = 0
+        self.slot: torch.Tensor | None = None
+        """While set (see `static`), writes go to this slot and reads return every slot."""
+
+    @contextmanager
+    def static(self, slot: torch.Tensor):
+        """Shape-static updates for a CUDA graph: one token's k, v go to the slot held in the device
+        tensor `slot` (1,), and `update` returns all max_len slots (the mask hides the unfilled ones)."""
+        self.slot = slot
+        try:
+            yield self
+        finally:
+            self.slot = None
 
     def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (b, h, s, hd) at slots [offset, offset+s); return all filled slots (b, h, t, hd)."""
+        if self.slot is not None:  # a graph-captured decode step: s == 1, the slot is on the device
+            self.k[layer_id].index_copy_(2, self.slot, k)
+            self.v[layer_id].index_copy_(2, self.slot, v)
+            return self.k[layer_id], self.v[layer_id]  # (b, h, max_len, hd)
         s = k.shape[2]
         end = self.check_room(s)
         self.k[layer_id][:, :, self.offset:end] = k

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from shardlm.runtime.cuda_graph import decoder_for
 from shardlm.runtime.kvcache import KVCache
 from shardlm.runtime.messages import SamplingParams
 from shardlm.runtime.sampling import row_generators, sample
@@ -170,6 +171,7 @@ def generate(model: nn.Module, batch: Batch, max_new_tokens: int, params: Sampli
     b = batch.tokens.shape[0]
     dtype = next(model.parameters()).dtype
     rows = Rows(batch, list(range(args.n_layers)), kv_heads, max_new_tokens, args, dtype, model_device(model))
+    graph = decoder_for(model, rows)  # decode steps as CUDA graph replays on one GPU (may swap in its cache)
     gens = row_generators(params.seed, b)
     outputs = Outputs(b, eos_ids, max_new_tokens)
     t0 = time.perf_counter()
@@ -185,7 +187,9 @@ def generate(model: nn.Module, batch: Batch, max_new_tokens: int, params: Sampli
             on_token(outputs.stream_view(0, token, was_done))
         if finished:
             break
-        logits = rows.forward(model, token[:, None], rows.next_token())
+        logits, mask = graph.step(token) if graph is not None and not graph.failed else (None, rows.next_token())
+        if logits is None:
+            logits = rows.forward(model, token[:, None], mask)
         stats.decode_tokens += b
     stats.decode_s += time.perf_counter() - t0
     return outputs.tokens

@@ -1,0 +1,125 @@
+"""Decode steps on a GPU as CUDA graph replays.
+
+Eager decode on a GPU is bound by the host, not the GPU: a step of a 16-layer model issues a few
+hundred small kernels, and on the H100 machine we measured (bench/RESULTS.md) the host took
+about 10 ms a step to issue them while the GPU needed about 1 ms. A CUDA graph records one
+step's kernels once and replays them with one launch.
+
+A graph replays the same kernels on the same buffers, so the step is made shape-static:
+- inputs live in fixed device buffers (tokens (b, 1), positions (b, 1), mask (b, 1, 1, L) over
+  all L slots of the KV cache), refilled before each replay;
+- the cache writes the new key/value at a slot held in a device tensor (`KVCache.static`), and
+  attention reads every slot, the mask hiding the unfilled ones (they get exactly zero weight).
+So one graph serves every step of a generate call, and later calls of the same batch size and
+cache length reuse it with its cache (the last few such shapes are kept per model). The logits
+come out in a fixed buffer.
+
+Used for one-GPU ranks (no collectives between processes, whose host-side bookkeeping a replay
+would skip) without streamed layers (their hooks move weights between steps). SHARDLM_CUDA_GRAPHS=0
+or `model.cuda_graphs = False` turns it off; a capture that fails falls back to eager decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def eligible(model: nn.Module, device: torch.device) -> bool:
+    """Whether `model`'s decode steps may run as graph replays on `device`."""
+    if device.type != "cuda" or os.environ.get("SHARDLM_CUDA_GRAPHS", "1") == "0":
+        return False
+    if not model.__dict__.get("cuda_graphs", True) or model.__dict__.get("streamer") is not None:
+        return False
+    return all(getattr(getattr(m, "ctx", None), "world", 1) == 1 for m in model.modules())
+
+
+KEEP = 4
+"""Captured graphs (with their KV caches) kept per model, most recently used first."""
+
+
+def decoder_for(model: nn.Module, rows) -> "GraphDecoder | None":
+    """A GraphDecoder for `rows` (None when not eligible): the one captured for this batch size and
+    cache length if there is one (`rows` then uses its cache), else a new one on `rows`' cache."""
+    if not eligible(model, rows.device):
+        return None
+    kept = model.__dict__.setdefault("_graph_decoders", OrderedDict())
+    cache = rows.cache
+    first = cache.k[next(iter(cache.k))]
+    key = (tuple(first.shape), first.dtype, tuple(cache.k))  # (b, kv heads, length, head dim), layers
+    dec = kept.pop(key, None)
+    if dec is None:
+        dec = GraphDecoder(model, rows)
+    else:
+        dec.bind(rows)
+    kept[key] = dec
+    while len(kept) > KEEP:
+        kept.popitem(last=False)
+    return dec if not dec.failed else None
+
+
+class GraphDecoder:
+    """Replays one captured decode step for the rows of a generate call."""
+
+    def __init__(self, model: nn.Module, rows):
+        self.model, self.rows, self.cache = model, rows, rows.cache
+        cache = rows.cache
+        b, length, dev = rows.valid.shape[0], cache.max_len, rows.device
+        self.tokens = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        self.mask = torch.zeros(b, 1, 1, length, dtype=torch.bool, device=dev)
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.failed = False
+
+    def bind(self, rows) -> None:
+        """Serve a new generate call: `rows` takes over this decoder's (captured) cache, emptied."""
+        self.rows = rows
+        self.cache.offset = 0
+        rows.cache = self.cache
+
+    def _forward(self) -> torch.Tensor:
+        with self.cache.static(self.slot):
+            return self.model(self.tokens, self.positions, self.mask, self.cache, last_only=True)
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream(self.rows.device)
+        side.wait_stream(torch.cuda.current_stream(self.rows.device))
+        with torch.cuda.stream(side):  # warm-up off the capture: lazy inits, cuBLAS workspaces
+            for _ in range(2):
+                self._forward()  # writes this step's key/value at its slot: the replay writes the same
+        torch.cuda.current_stream(self.rows.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._forward()
+        self.graph = graph
+
+    def step(self, token: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Feed `token` (b,) at the next slot: (logits (b, 1, vocab) float32, the step's host mask).
+        The logits are None when capturing failed; the caller then runs this step eagerly with the mask."""
+        rows, cache = self.rows, self.cache
+        cache.check_room(1)
+        mask = rows.next_token()  # (b, 1, 1, t) on the host; advances positions and valid
+        t = mask.shape[-1]
+        self.mask.copy_(F.pad(mask, (0, cache.max_len - t)), non_blocking=True)  # (b, 1, 1, L)
+        self.tokens.copy_(token[:, None], non_blocking=True)
+        self.positions.copy_(rows.positions, non_blocking=True)
+        self.slot.fill_(cache.offset)
+        if self.graph is None:
+            try:
+                self._capture()
+            except Exception as e:  # noqa: BLE001 - eager decode still works; say why once
+                log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
+                self.failed = True
+                return None, mask
+        self.graph.replay()
+        cache.advance(1)
+        return self.logits, mask
