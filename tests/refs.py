@@ -55,27 +55,35 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, valid: torch.Tens
 
 @torch.no_grad()
 def shardlm_stage_rank(rank: int, world: int, folder: str, prompts: list[list[int]], n_new: int, tp: int,
-                       counts: list[int], micro_batches: int, sampling: SamplingParams = SamplingParams()):
-    """On one rank of tp x len(counts) ranks: logits (last stage's rank 0 only), tokens and comms."""
+                       counts: list[int], micro_batches: int, sampling: SamplingParams = SamplingParams(),
+                       device: str = "cpu"):
+    """On one rank of tp x len(counts) ranks: logits (last stage's rank 0 only), tokens and comms.
+    `device` "cuda" puts every rank on GPU rank mod the GPUs (the group's backend as launched)."""
     from shardlm.parallel.stages import StageSpec, stages_from_counts
     from shardlm.parallel.pipeline import pipeline_context
     from shardlm.runtime.pipeline_step import pipeline_generate, pipeline_logits
 
     family, args = args_for_config(read_config(folder))
-    ctx = pipeline_context(rank, tp, len(counts), 8 * 2**20, timeout_s=60)
+    nccl = dist.get_backend() == "nccl"
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    ctx = pipeline_context(rank, tp, len(counts), 0 if nccl else 8 * 2**20, timeout_s=60, nccl=nccl)
     coord = shard_coord(args, ctx.rank, tp)
     stage = StageSpec.of(stages_from_counts(counts), ctx.pipe.stage) if ctx.pipe else None
-    model = build_rank_model(folder, family, args, coord, ctx, stage=stage)
+    model = build_rank_model(folder, family, args, coord, ctx, device=device, stage=stage)
     batch = Batch.from_lists(prompts)
     if ctx.pipe is None:
         s = batch.tokens.shape[1]
-        logits = model(batch.tokens, positions_for(batch.valid), attention_mask(batch.valid, 0, s, args.sliding_window))
+        inputs = (batch.tokens, positions_for(batch.valid), attention_mask(batch.valid, 0, s, args.sliding_window))
+        logits = model(*(t.to(device) for t in inputs))
         tokens = generate(model, batch, n_new, sampling, (), coord.local_kv_heads())
     else:
         logits = pipeline_logits(model, ctx, batch)
         tokens = pipeline_generate(model, ctx, batch, n_new, sampling, (), coord.local_kv_heads(), micro_batches)
     if ctx.shm is not None:
         ctx.shm.close()
+    logits = logits.cpu() if logits is not None else None
     keep = logits is not None and ctx.rank == 0
     params = sorted(n for n, _ in model.named_parameters())
     return (logits if keep else None), tokens, ctx.snapshot(), params

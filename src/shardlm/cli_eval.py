@@ -47,6 +47,12 @@ def perplexity(
     quants = _choices(quantization, ("none", "int8", "int4"), "--quantization")
     if device not in ("cpu", "cuda"):
         _fail(f"--device {device} is not supported; use cpu or cuda")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail("--device cuda was asked for, but torch sees no CUDA device (a CPU build of torch, or no driver); "
+                  "use --device cpu, or run where a GPU and a CUDA build of torch are installed")
     if window < 2:
         _fail(f"--window {window} is too small; each window needs at least 2 tokens, e.g. --window 512")
     try:

@@ -116,6 +116,9 @@ def test_cuda_on_a_machine_without_one_is_one_line_exit_2():
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert "torch sees no CUDA device" in res.stderr and "use --device cpu" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+    res = run_cli("perplexity", "--device", "cuda")
+    assert res.returncode == 2 and "torch sees no CUDA device" in res.stderr and "Traceback" not in res.stderr, \
+        res.stderr
 
 
 def test_truncated_checkpoint_is_named(tmp_path, bundled_dir):

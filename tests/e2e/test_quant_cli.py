@@ -24,6 +24,9 @@ def test_quantized_tokens_do_not_depend_on_the_layout(kind, layouts):
     for flags in layouts:
         other = _generate("--quantization", kind, *flags)
         assert other["token_ids"] == one["token_ids"], flags
+        if flags[0] == "--tp":  # a request's traffic only: 2 all-reduces per layer + 1 per forward, none
+            calls = other["ranks"][0]["comms"]["all_reduce"]["calls"]  # from quantizing at load
+            assert calls % (2 * 30 + 1) == 0, calls
     plain = _generate()
     ratio = one["ranks"][0]["weight_bytes"] / plain["ranks"][0]["weight_bytes"]
     # the tied 113 MB embedding/head stays float32; the linear layers shrink 4x (int8) or ~7x (int4)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import hf_model
-from refs import assert_logits_close, hf_logits_and_tokens
+from refs import assert_logits_close, hf_logits_and_tokens, shardlm_stage_rank
 from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
@@ -224,3 +224,16 @@ def test_cuda_graph_decode_gives_the_eager_tokens(random_dirs, name):
     assert first == eager and second == eager
     (decoder,) = model._graph_decoders.values()
     assert decoder.graph is not None and not decoder.failed
+
+
+@pytest.mark.parametrize("tp,counts,m", [(1, (2, 1), 2), (2, (1, 2), 3)])
+def test_pipeline_stages_on_cuda_match_transformers(random_dirs, tp, counts, m):
+    """Stages on one GPU (gloo; hidden states and tokens staged through host memory), with micro-batches."""
+    folder = random_dirs["gqa12x4"]
+    prompts = _prompts(1001, [17, 5, 11])
+    ref_logits, ref_tokens = hf_logits_and_tokens(hf_model(folder), prompts, 10)
+    results = run_on_ranks(shardlm_stage_rank, tp * len(counts), str(folder), prompts, 10, tp, list(counts), m,
+                           SamplingParams(), "cuda", timeout_s=300)
+    logits = next(r[0] for r in results if r[0] is not None)
+    assert_logits_close(logits, ref_logits, Batch.from_lists(prompts).valid)
+    assert results[0][1] == ref_tokens

@@ -232,3 +232,5 @@ def test_a_gpu_plan_needs_device_cuda_and_a_cpu_plan_refuses_it():
     check_runnable(plan, "m.yaml", "cuda")
     with pytest.raises(UserError, match="drop --device cuda"):
         check_runnable(replace(plan, cluster="2xcpu-4GB"), "m.yaml", "cuda")
+    for device in ("cpu", "cuda"):  # "local": whatever the planning machine had; --device decides
+        check_runnable(replace(plan, cluster="local"), "m.yaml", device)

@@ -69,6 +69,8 @@ class ParallelContext:
     pipe: PipePeers | None = None
     cuda_collectives: bool = False
     """True when the backend moves CUDA tensors itself (NCCL); False: collectives take host tensors."""
+    host_group: Any = None
+    """Under NCCL with pipeline stages: a gloo group for small host messages (`send(..., host=True)`)."""
     stats: dict[str, OpStats] = field(default_factory=dict)
     _pending: list = field(default_factory=list)
 
@@ -116,27 +118,33 @@ class ParallelContext:
         self._count("all_gather", out.numel() * out.element_size(), t0)
         return out.to(device)
 
-    def _wire(self) -> torch.device:
-        """Where point-to-point tensors must live for this backend."""
-        return torch.device("cuda", torch.cuda.current_device()) if self.cuda_collectives else torch.device("cpu")
+    def _wire(self, host: bool = False) -> torch.device:
+        """Where point-to-point tensors must live for this backend (`host`: for the host-message group)."""
+        if self.cuda_collectives and not (host and self.host_group is not None):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
-    def send(self, t: torch.Tensor, dst: int) -> None:
+    def send(self, t: torch.Tensor, dst: int, host: bool = False) -> None:
         """Start sending `t` to global rank `dst` and return at once (the tensor is kept until sent).
 
-        Sends between one pair of ranks arrive in the order they were made. `flush` waits for all.
+        Sends between one pair of ranks (and of one kind, `host` or not) arrive in the order they
+        were made. `host`: a small host-side message (a header, sampled tokens), which goes over the
+        gloo host group when the world runs on NCCL. `flush` waits for all.
         """
         t0 = time.perf_counter()
-        t = t.to(self._wire()).contiguous()
+        t = t.to(self._wire(host)).contiguous()
+        group = self.host_group if host and self.cuda_collectives else None
         self._pending = [(w, x) for w, x in self._pending if not w.is_completed()]
-        self._pending.append((dist.isend(t, dst), t))
+        self._pending.append((dist.isend(t, dst, group=group), t))
         self._count("send", t.numel() * t.element_size(), t0)
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, host: bool = False) -> torch.Tensor:
         """Receive a tensor of `shape` and `dtype` from global rank `src` (blocks; the group's timeout
-        applies). It arrives on the backend's device: the GPU under NCCL, else host memory."""
+        applies). It arrives on the backend's device: the GPU under NCCL, else host memory; `host`
+        as in `send`."""
         t0 = time.perf_counter()
-        t = torch.empty(shape, dtype=dtype, device=self._wire())
-        dist.recv(t, src)
+        t = torch.empty(shape, dtype=dtype, device=self._wire(host))
+        dist.recv(t, src, group=self.host_group if host and self.cuda_collectives else None)
         self._count("recv", t.numel() * t.element_size(), t0)
         return t
 

@@ -15,11 +15,16 @@ import torch.distributed as dist
 from shardlm.parallel.context import ParallelContext, PipePeers
 
 
-def pipeline_context(rank: int, tp: int, pp: int, shm_bytes: int = 0, timeout_s: float = 300.0) -> ParallelContext:
+def pipeline_context(rank: int, tp: int, pp: int, shm_bytes: int = 0, timeout_s: float = 300.0,
+                     nccl: bool = False) -> ParallelContext:
     """Build this rank's ParallelContext on an initialized world of tp x pp ranks.
 
     Every rank must call it (process groups are created collectively, in the same order). With
     `shm_bytes` > 0 the tp ranks of a stage also get a shared-memory transport for their collectives.
+    `nccl`: the world runs on NCCL (CUDA tensors in collectives). Stages then also get a gloo group
+    for the small host-side messages (headers, sampled tokens) that go back and forth: on one NCCL
+    communicator, a send may wait for its matching receive, and the two directions between a pair
+    of stages would be posted in crossing orders; hidden states alone then use NCCL, one way.
     """
     world = dist.get_world_size()
     if world != tp * pp:
@@ -40,4 +45,6 @@ def pipeline_context(rank: int, tp: int, pp: int, shm_bytes: int = 0, timeout_s:
                          prev=rank - tp if stage > 0 else None,
                          next=rank + tp if stage < pp - 1 else None,
                          first=tp_rank, last=(pp - 1) * tp + tp_rank)
-    return ParallelContext(rank=tp_rank, world=tp, group=group, shm=shm, pipe=pipe)
+    host_group = dist.new_group(list(range(world)), backend="gloo") if nccl and pp > 1 else None
+    return ParallelContext(rank=tp_rank, world=tp, group=group, shm=shm, pipe=pipe, cuda_collectives=nccl,
+                           host_group=host_group)

@@ -11,7 +11,8 @@ A graph replays the same kernels on the same buffers, so the step is made shape-
 - the cache writes the new key/value at a slot held in a device tensor (`KVCache.static`), and
   attention reads every slot, the mask hiding the unfilled ones (they get exactly zero weight).
 So one graph serves every step of a generate call, and later calls of the same batch size and
-cache length reuse it with its cache (the last few such shapes are kept per model). The logits
+cache length (rounded up to BUCKET slots) reuse it with its cache; each model keeps the last KEEP
+such shapes. The logits
 come out in a fixed buffer.
 
 Used for one-GPU ranks (no collectives between processes, whose host-side bookkeeping a replay
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.runtime.kvcache import KVCache
+
 log = logging.getLogger(__name__)
 
 
@@ -43,60 +46,59 @@ def eligible(model: nn.Module, device: torch.device) -> bool:
 
 KEEP = 4
 """Captured graphs (with their KV caches) kept per model, most recently used first."""
+BUCKET = 256
+"""Cache lengths are rounded up to a multiple of this, so requests of similar length share a graph."""
 
 
-def decoder_for(model: nn.Module, rows) -> "GraphDecoder | None":
-    """A GraphDecoder for `rows` (None when not eligible): the one captured for this batch size and
-    cache length if there is one (`rows` then uses its cache), else a new one on `rows`' cache."""
-    if not eligible(model, rows.device):
+def decoder_for(model: nn.Module, device: torch.device, layer_ids: list[int], batch: int, kv_heads: int,
+                length: int, head_dim: int, dtype: torch.dtype) -> "GraphDecoder | None":
+    """The GraphDecoder for this cache shape (None when not eligible): the one captured earlier for
+    the same batch and bucketed length, with its cache, or a new one with a new cache."""
+    if not eligible(model, device):
         return None
     kept = model.__dict__.setdefault("_graph_decoders", OrderedDict())
-    cache = rows.cache
-    first = cache.k[next(iter(cache.k))]
-    key = (tuple(first.shape), first.dtype, tuple(cache.k))  # (b, kv heads, length, head dim), layers
+    length = -(-length // BUCKET) * BUCKET
+    key = (batch, kv_heads, length, head_dim, dtype, tuple(layer_ids))
     dec = kept.pop(key, None)
     if dec is None:
-        dec = GraphDecoder(model, rows)
-    else:
-        dec.bind(rows)
+        while len(kept) >= KEEP:  # free the least recently used before allocating another cache
+            kept.popitem(last=False)
+        dec = GraphDecoder(model, KVCache(layer_ids, batch, kv_heads, length, head_dim, dtype, device))
     kept[key] = dec
-    while len(kept) > KEEP:
-        kept.popitem(last=False)
-    return dec if not dec.failed else None
+    return None if dec.failed else dec
 
 
 class GraphDecoder:
-    """Replays one captured decode step for the rows of a generate call."""
+    """Replays one captured decode step; owns the KV cache the step was captured on."""
 
-    def __init__(self, model: nn.Module, rows):
-        self.model, self.rows, self.cache = model, rows, rows.cache
-        cache = rows.cache
-        b, length, dev = rows.valid.shape[0], cache.max_len, rows.device
+    def __init__(self, model: nn.Module, cache: KVCache):
+        self.model, self.cache, self.rows = model, cache, None
+        b, length, dev = cache.k[next(iter(cache.k))].shape[0], cache.max_len, cache.k[next(iter(cache.k))].device
         self.tokens = torch.zeros(b, 1, dtype=torch.long, device=dev)
         self.positions = torch.zeros(b, 1, dtype=torch.long, device=dev)
         self.mask = torch.zeros(b, 1, 1, length, dtype=torch.bool, device=dev)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.device = dev
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.failed = False
 
     def bind(self, rows) -> None:
-        """Serve a new generate call: `rows` takes over this decoder's (captured) cache, emptied."""
+        """Serve the generate call of `rows` (built on this decoder's cache), from an empty cache."""
         self.rows = rows
         self.cache.offset = 0
-        rows.cache = self.cache
 
     def _forward(self) -> torch.Tensor:
         with self.cache.static(self.slot):
             return self.model(self.tokens, self.positions, self.mask, self.cache, last_only=True)
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream(self.rows.device)
-        side.wait_stream(torch.cuda.current_stream(self.rows.device))
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up off the capture: lazy inits, cuBLAS workspaces
             for _ in range(2):
                 self._forward()  # writes this step's key/value at its slot: the replay writes the same
-        torch.cuda.current_stream(self.rows.device).wait_stream(side)
+        torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.logits = self._forward()

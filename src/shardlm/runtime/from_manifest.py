@@ -15,9 +15,12 @@ def _not_yet(what: str, field: str, value, fix: str) -> UserError:
     return UserError(f"{what} is not supported by the runtime yet (the manifest has {field}: {value}); {fix}")
 
 
-def on_gpus(plan: Plan) -> bool:
-    """True when the manifest places its ranks on GPUs (its cluster names no CPU workers)."""
-    return plan.cluster != "local" and "cpu" not in plan.cluster.lower()
+def on_gpus(plan: Plan) -> bool | None:
+    """True when the manifest places its ranks on GPUs, False on CPU workers, None when it says
+    "local" (whatever the planning machine had: the run's --device decides)."""
+    if plan.cluster == "local":
+        return None
+    return "cpu" not in plan.cluster.lower()
 
 
 def check_runnable(plan: Plan, source: str, device: str = "cpu") -> None:
@@ -35,10 +38,10 @@ def check_runnable(plan: Plan, source: str, device: str = "cpu") -> None:
     if plan.dtype not in RUNTIME_DTYPES:
         raise UserError(f"dtype {plan.dtype} in {source} is not supported by the runtime; use one of "
                         f"{', '.join(RUNTIME_DTYPES)}")
-    if on_gpus(plan) and device != "cuda":
+    if on_gpus(plan) is True and device != "cuda":
         raise UserError(f"{source} places ranks on {plan.cluster} GPUs; run it with --device cuda on a machine with "
                         "them, or plan for this machine's CPU ranks with --devices NxCPU-SIZE (e.g. 2xcpu-4GB)")
-    if not on_gpus(plan) and device == "cuda":
+    if on_gpus(plan) is False and device == "cuda":
         raise UserError(f"{source} was planned for CPU ranks ({plan.cluster}) but --device cuda was given; plan for "
                         "the GPUs (e.g. --devices 1xH100-80GB) or drop --device cuda")
 

@@ -62,7 +62,7 @@ def pipeline_generate(model: nn.Module, ctx: ParallelContext, batch: Batch, max_
 
 
 def _send_on(ctx: ParallelContext, kind: int, mb: int, hidden: torch.Tensor | None = None) -> None:
-    ctx.send(torch.tensor([kind, mb], dtype=torch.long), ctx.pipe.next)
+    ctx.send(torch.tensor([kind, mb], dtype=torch.long), ctx.pipe.next, host=True)
     if hidden is not None:
         ctx.send(hidden, ctx.pipe.next)
 
@@ -81,7 +81,7 @@ def _first_stage(model, ctx, batch, parts, max_new_tokens, eos_ids, on_token, st
         j = inflight.popleft()
         a, rows = parts[j]
         n = rows.valid.shape[0]
-        token = ctx.recv((n,), torch.long, ctx.pipe.last).cpu()  # (n,) sampled on the last stage
+        token = ctx.recv((n,), torch.long, ctx.pipe.last, host=True).cpu()  # (n,) sampled on the last stage
         was_done = outputs.done[a:a + n].clone()
         finished = outputs.record(a, token)
         if on_token is not None:
@@ -114,7 +114,7 @@ def _later_stage(model, ctx, batch, parts, max_new_tokens, params, eos_ids) -> l
     outputs = Outputs(batch.tokens.shape[0], eos_ids, max_new_tokens) if pipe.is_last else None
     gens = row_generators(params.seed, batch.tokens.shape[0]) if pipe.is_last else None
     while True:
-        kind, j = ctx.recv((2,), torch.long, pipe.prev).tolist()
+        kind, j = ctx.recv((2,), torch.long, pipe.prev, host=True).tolist()
         if kind == STOP:
             if not pipe.is_last:
                 _send_on(ctx, STOP, 0)
@@ -132,7 +132,7 @@ def _later_stage(model, ctx, batch, parts, max_new_tokens, params, eos_ids) -> l
             continue
         token = pick(out[:, -1], params, gens[a:a + n])  # (n,)
         outputs.record(a, token)
-        ctx.send(token, pipe.first)
+        ctx.send(token, pipe.first, host=True)
 
 
 @torch.inference_mode()

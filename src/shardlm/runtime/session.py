@@ -119,8 +119,11 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
         raise UserError("--offload-dir applies to CPU ranks; on GPUs the layers beyond --memory-budget stay in "
                         "pinned host memory and stream to the GPU; drop --offload-dir")
     if opts.device == "cuda":
-        # weights go to the GPUs; host memory holds only the layers streamed from it
-        weights = max(0, weights - opts.world * opts.memory_budget) if opts.memory_budget else 0
+        # weights go to the GPUs; host memory holds only the layers streamed from it (pinned)
+        if opts.memory_budget:
+            weights = max(0, weights - opts.world * opts.memory_budget)
+        else:
+            weights = weights * sum(opts.stream_layers) // max(1, args.n_layers)
     if opts.memory_budget or opts.stream_layers:
         if opts.memory_budget and opts.device == "cpu":
             weights = min(weights, opts.world * opts.memory_budget)

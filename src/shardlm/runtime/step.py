@@ -64,10 +64,11 @@ def attention_mask(valid: torch.Tensor, start: int, s: int, window: int | None) 
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device a model's (first non-meta) parameters live on."""
-    for p in model.parameters():
-        if p.device.type != "meta":
-            return p.device
+    """The device a model runs on: that of its first non-meta parameter, else of its buffers (a
+    pipeline stage whose every layer streams in holds only meta placeholders between uses)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta":
+            return t.device
     return torch.device("cpu")
 
 
@@ -97,13 +98,14 @@ class Rows:
     """
 
     def __init__(self, batch: Batch, layer_ids: list[int], kv_heads: int, max_new_tokens: int, args, dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", cache: KVCache | None = None):
         b, s = batch.tokens.shape
         self.valid = batch.valid  # (b, t): which cache slots hold real tokens
         self.positions = positions_for(batch.valid)  # (b, s) positions of the tokens about to run
         self.window = args.sliding_window
         self.device = torch.device(device)
-        self.cache = KVCache(layer_ids, b, kv_heads, s + max_new_tokens, args.head_dim, dtype, self.device)
+        # `cache`: an existing one at least s + max_new_tokens long (a CUDA graph's), else a new one
+        self.cache = cache or KVCache(layer_ids, b, kv_heads, s + max_new_tokens, args.head_dim, dtype, self.device)
 
     def prefill_mask(self) -> torch.Tensor:
         """Mask (b, 1, s, s) of the prompt pass."""
@@ -170,12 +172,19 @@ def generate(model: nn.Module, batch: Batch, max_new_tokens: int, params: Sampli
     args = model.args
     b = batch.tokens.shape[0]
     dtype = next(model.parameters()).dtype
-    rows = Rows(batch, list(range(args.n_layers)), kv_heads, max_new_tokens, args, dtype, model_device(model))
-    graph = decoder_for(model, rows)  # decode steps as CUDA graph replays on one GPU (may swap in its cache)
+    device, layer_ids = model_device(model), list(range(args.n_layers))
+    # decode steps as CUDA graph replays on one GPU: the graph's decoder owns the cache
+    graph = decoder_for(model, device, layer_ids, b, kv_heads, batch.tokens.shape[1] + max_new_tokens,
+                        args.head_dim, dtype)
+    rows = Rows(batch, layer_ids, kv_heads, max_new_tokens, args, dtype, device, graph.cache if graph else None)
+    if graph is not None:
+        graph.bind(rows)
     gens = row_generators(params.seed, b)
     outputs = Outputs(b, eos_ids, max_new_tokens)
     t0 = time.perf_counter()
     logits = rows.forward(model, batch.tokens, rows.prefill_mask())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the prefill's kernels are queued, not done, when forward returns
     stats.prefill_s += time.perf_counter() - t0
     stats.prompt_tokens += int(batch.valid.sum())
     t0 = time.perf_counter()

@@ -111,8 +111,7 @@ def _setup(cfg: WorkerConfig, listener) -> tuple[ParallelContext, str]:
     join_group(cfg.rank, cfg.world, cfg.port, listener, cfg.timeout_s, backend)
     # the shared-memory transport serves host tensors: with gloo, CUDA ranks stage through it too
     ctx = pipeline_context(cfg.rank, cfg.tp or cfg.world, cfg.pp, cfg.shm_bytes if backend == "gloo" else 0,
-                           cfg.timeout_s)
-    ctx.cuda_collectives = backend == "nccl"
+                           cfg.timeout_s, nccl=backend == "nccl")
     return ctx, device
 
 
@@ -129,11 +128,22 @@ def _serve(cfg: WorkerConfig, requests, results, listener) -> None:
     args = ModelArgs.from_dict(cfg.args)
     coord = shard_coord(args, ctx.rank, ctx.world)
     stage = StageSpec.of(cfg.stage_layers, ctx.pipe.stage) if ctx.pipe is not None else None
-    model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), device, stage=stage,
-                             rank=cfg.rank, quantization=cfg.quantization, memory_budget=cfg.memory_budget,
-                             offload_dir=cfg.offload_dir, prefetch=cfg.prefetch,
-                             stream_last=cfg.stream_layers[ctx.pipe.stage if ctx.pipe else 0] if cfg.stream_layers else None)
+    try:
+        model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), device,
+                                 stage=stage, rank=cfg.rank, quantization=cfg.quantization,
+                                 memory_budget=cfg.memory_budget, offload_dir=cfg.offload_dir, prefetch=cfg.prefetch,
+                                 stream_last=cfg.stream_layers[ctx.pipe.stage if ctx.pipe else 0]
+                                 if cfg.stream_layers else None)
+    except torch.OutOfMemoryError as e:
+        if device == "cpu":
+            raise
+        free, total = torch.cuda.mem_get_info(device)
+        raise DeviceError(f"rank {cfg.rank} ran out of memory on {device} while loading its part of the model "
+                          f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the failure); stream layers "
+                          "from host memory (--memory-budget SIZE), use more ranks (--tp), or quantize "
+                          "(--quantization int4)") from e
     kv_heads = coord.local_kv_heads()
+    ctx.stats.clear()  # collectives of the load (quantization statistics) are not a request's traffic
     dist.barrier()
     weight_bytes = model_bytes(model)
     streamer, plan = model.__dict__.get("streamer"), model.__dict__.get("stream_plan")
