@@ -41,7 +41,13 @@ MiB = 2**20
 
 CALIBRATION_FILE = "calibration.json"
 
-CUDA_LAYER_OVERHEAD_S = 60e-6  # eager mode: about a dozen kernel launches per decoder layer at ~5 us each
+CUDA_LAYER_OVERHEAD_S = 100e-6
+"""A decoder layer's fixed cost per decode step when the step is replayed as a CUDA graph (one-GPU
+ranks): measured on one H100, 94-99 us per layer beyond the bandwidth term (bench/gpu.py, 2026-11-22)."""
+CUDA_EAGER_LAYER_OVERHEAD_S = 750e-6
+"""The same when the host issues every kernel (tensor- or pipeline-parallel GPU ranks and streamed
+layers, which the runtime does not capture): 0.74-0.78 ms per layer on that H100 machine's host.
+It is host time, so a faster host CPU does better."""
 CUDA_RUNTIME_BYTES = 1 * GiB  # CUDA context, cuBLAS workspace and NCCL buffers
 CPU_DEFAULTS = {
     "bandwidth": 20e9,  # one worker's share of a dual-channel DDR4/DDR5 desktop, well below peak

@@ -13,6 +13,7 @@ import pytest
 from shardlm import hardware
 from shardlm.hardware import (
     CATALOG,
+    CUDA_LAYER_OVERHEAD_S,
     GiB,
     Cluster,
     Device,
@@ -143,7 +144,7 @@ def test_lookup_unknown_and_ambiguous():
 
 def test_catalog_figures():
     assert all(s.kind == "cuda" and s.source == "datasheet" for s in CATALOG.values())
-    assert all(s.layer_overhead_s == 60e-6 and s.runtime_bytes == GiB for s in CATALOG.values())
+    assert all(s.layer_overhead_s == CUDA_LAYER_OVERHEAD_S and s.runtime_bytes == GiB for s in CATALOG.values())
     h100 = CATALOG["H100-80GB"]
     assert (h100.bandwidth, h100.flops, h100.link_bandwidth, h100.link_latency) == (3.35e12, 989e12, 450e9, 2e-6)
     assert CATALOG["T4-16GB"].link_bandwidth == 12e9
@@ -276,7 +277,7 @@ def test_load_cluster_defaults_and_plain_numbers(tmp_path):
     spec = cluster.devices[0].spec
     assert cluster.nodes[0].name == "node0" and (cluster.inter_bandwidth, cluster.inter_latency) == (50e9, 5e-6)
     assert (spec.memory_bytes, spec.bandwidth, spec.flops, spec.link_latency) == (GiB, 5e11, 1e14, 2e-5)
-    assert (spec.link_bandwidth, spec.layer_overhead_s, spec.runtime_bytes) == (25e9, 60e-6, GiB)
+    assert (spec.link_bandwidth, spec.layer_overhead_s, spec.runtime_bytes) == (25e9, CUDA_LAYER_OVERHEAD_S, GiB)
 
 
 BAD_YAML = [

@@ -134,3 +134,17 @@ def test_ranks_beyond_the_cores_run_in_waves():
     assert step[2] == pytest.approx(1.0) and step[4] == pytest.approx(1.0)
     assert step[3] == pytest.approx(4 / 3)
     assert rates[3].layer_overhead_s == pytest.approx(2e-4) and rates[4].layer_overhead_s == pytest.approx(2e-4)
+
+
+def test_gpu_layouts_without_cuda_graphs_pay_the_eager_layer_cost():
+    """One GPU decodes through CUDA graph replays (~0.1 ms per layer, measured on an H100); tensor
+    parallelism runs eagerly, its kernels issued by the host (~0.75 ms per layer on that machine)."""
+    from shardlm.hardware import CUDA_EAGER_LAYER_OVERHEAD_S, CUDA_LAYER_OVERHEAD_S
+
+    one = make_plan(_req("llama-3.2-1b", "1xH100-80GB", dtype="bfloat16", quantization="none")).ranked[0].plan
+    two = make_plan(_req("llama-3.2-1b", "2xH100-80GB", dtype="bfloat16", quantization="none", tp=2)).ranked[0].plan
+    step1, step2 = one.predictions.performance.decode_latency_s, two.predictions.performance.decode_latency_s
+    assert 16 * CUDA_LAYER_OVERHEAD_S < step1 < 16 * CUDA_LAYER_OVERHEAD_S + 2e-3
+    assert step2 > 16 * CUDA_EAGER_LAYER_OVERHEAD_S
+    assert any("CUDA graphs" in a for a in one.predictions.assumptions)
+    assert any("issued by the host" in a for a in two.predictions.assumptions)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shardlm.hardware import Cluster, Device
+from shardlm.hardware import CUDA_EAGER_LAYER_OVERHEAD_S, Cluster, Device
 from shardlm.models.args import ModelArgs
 from shardlm.parallel.split import HeadSplit
 from shardlm.parallel.styles import Style
@@ -83,7 +83,7 @@ def _rank_memory(st: Setting, layout: ParallelLayout, c, w: mem.ShardWeights, de
                       dev.spec.memory_bytes, off * w.layer)
 
 
-def _rate(dev: Device, active: int, cluster: Cluster) -> Rate:
+def _rate(dev: Device, active: int, cluster: Cluster, eager: bool = False) -> Rate:
     """A rank's share of its device: CPU ranks on one node split its memory bus and cores.
 
     With more lock-step ranks than cores (tp 3 on 2 cores), the ranks run in `waves` =
@@ -92,14 +92,24 @@ def _rate(dev: Device, active: int, cluster: Cluster) -> Rate:
     concurrent ranks, divided again by the waves, and its fixed per-layer cost repeats per wave.
     Measured on 2 cores (bench/plan_honesty.py): tp 3 decodes 1.3x slower than an even split of the
     cores would give, which a share of ranks / cores (1.5x on the fixed cost only) missed by 19-33 %.
+    A GPU rank's fixed per-layer cost is the CUDA-graph replay figure, or the eager one when the
+    runtime issues the kernels from the host (`eager`: see `graphs_apply`).
     """
     s = dev.spec
     node = cluster.nodes[dev.node]
     shared = node.shared_memory_bus
     waves = -(-active // node.cores) if shared and node.cores and active > node.cores else 1
     share = min(active, node.cores or active) * waves if shared else 1
+    overhead = max(s.layer_overhead_s, CUDA_EAGER_LAYER_OVERHEAD_S) if s.kind == "cuda" and eager \
+        else s.layer_overhead_s
     return Rate(s.bandwidth * BANDWIDTH_EFFICIENCY.get(s.kind, 1.0) / share,
-                s.flops * FLOPS_EFFICIENCY.get(s.kind, 1.0) / share, s.layer_overhead_s * waves)
+                s.flops * FLOPS_EFFICIENCY.get(s.kind, 1.0) / share, overhead * waves)
+
+
+def graphs_apply(st: Setting, layout: ParallelLayout) -> bool:
+    """Whether the runtime replays decode steps as CUDA graphs in this layout: one GPU per model
+    copy (no tensor or pipeline parallelism) and no streamed layers (runtime/cuda_graph.py)."""
+    return layout.tp == 1 and layout.pp == 1 and st.offload.tier == "none"
 
 
 def _active_counts(layout: ParallelLayout, devs: dict[str, Device], m: int) -> dict[tuple[int, int], int]:
@@ -150,7 +160,7 @@ def _stage_times(st, layout, shards, devs, m, batch, tokens, context) -> list[di
         worst = None
         for r in range(layout.tp):
             dev = devs[layout.devices[0][s][r]]
-            rate = _rate(dev, active.get((dev.node, s), 1), st.cluster)
+            rate = _rate(dev, active.get((dev.node, s), 1), st.cluster, not graphs_apply(st, layout))
             t = stage_time(_work(st, layout, s, r, shards[r], batch, tokens, context), rate, layout.tp,
                            dev.spec.link_latency, dev.spec.link_bandwidth, OFFLOAD_BANDWIDTH.get(st.offload.tier))
             worst = t if worst is None or t["total"] > worst["total"] else worst
@@ -212,8 +222,11 @@ def assumptions(st: Setting, layout: ParallelLayout, devs: dict[str, Device]) ->
                    f"{spec.runtime_bytes / 2**20:.0f} MiB runtime ({spec.source})")
     kinds = {devs[c.device].spec.kind for c in layout.coords()}
     if "cuda" in kinds:
+        mode = ("decode steps replayed as CUDA graphs (one GPU, nothing streamed)" if graphs_apply(st, layout) else
+                f"kernels issued by the host (no CUDA graphs with tp/pp or streamed layers): at least "
+                f"{CUDA_EAGER_LAYER_OVERHEAD_S * 1e6:.0f} us per layer, measured on one H100 machine's host")
         out.append(f"GPU kernels reach {BANDWIDTH_EFFICIENCY['cuda']:.0%} of memory bandwidth in decode and "
-                   f"{FLOPS_EFFICIENCY['cuda']:.0%} of peak FLOP/s in prefill; eager mode (no CUDA graphs)")
+                   f"{FLOPS_EFFICIENCY['cuda']:.0%} of peak FLOP/s in prefill; {mode}")
     if "cpu" in kinds:
         out.append("CPU ranks on one machine share its memory bandwidth and cores")
         per_node: dict[int, int] = {}
