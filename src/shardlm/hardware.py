@@ -88,11 +88,14 @@ class DeviceSpec:
     """Memory a rank uses besides weights, KV cache and activations (CUDA context + NCCL, or Python + torch)."""
     source: str
     """Where the figures come from: ``datasheet``, ``calibrated <date>``, ``default (...)``, ``cluster file``."""
+    host_bandwidth: float = 25e9
+    """Host-to-device copy bandwidth from pinned memory, bytes/s: how fast layers offloaded to host RAM
+    stream in (PCIe Gen4 x16 effective unless the catalog or a cluster file says otherwise)."""
 
     def __post_init__(self):
         if self.kind not in ("cuda", "cpu"):
             raise HardwareError(f"device {self.name!r} has kind {self.kind!r}; use 'cuda' or 'cpu'")
-        for f in ("memory_bytes", "bandwidth", "flops", "link_bandwidth", "link_latency"):
+        for f in ("memory_bytes", "bandwidth", "flops", "link_bandwidth", "link_latency", "host_bandwidth"):
             value = getattr(self, f)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise HardwareError(f"device {self.name!r} has {f}={value!r}; it must be a positive number")
@@ -202,20 +205,30 @@ def _describe_node(node: Node) -> str:
 # Catalog
 
 
-def _cuda(name: str, mib: int, bandwidth: float, flops: float, link: float, latency: float) -> DeviceSpec:
-    """A datasheet cuda spec; memory in MiB as the driver reports it."""
+PCIE_GEN5_HOST = 55e9
+"""Pinned host-to-device copies on a PCIe Gen5 x16 GPU: 54.7-55.1 GB/s measured on one H100 80GB HBM3
+(bench/gpu.py, 2026-11-22)."""
+PCIE_GEN4_HOST = 25e9
+"""The same on PCIe Gen4 x16: half the Gen5 link, assumed (not measured here)."""
+PCIE_GEN3_HOST = 12e9
+"""The same on PCIe Gen3 x16, assumed."""
+
+
+def _cuda(name: str, mib: int, bandwidth: float, flops: float, link: float, latency: float,
+          host: float = PCIE_GEN4_HOST) -> DeviceSpec:
+    """A datasheet cuda spec; memory in MiB as the driver reports it; `host` the pinned host-to-device rate."""
     return DeviceSpec(
         name=name, kind="cuda", memory_bytes=mib * MiB, bandwidth=bandwidth, flops=flops,
         link_bandwidth=link, link_latency=latency, layer_overhead_s=CUDA_LAYER_OVERHEAD_S,
-        runtime_bytes=CUDA_RUNTIME_BYTES, source="datasheet",
+        runtime_bytes=CUDA_RUNTIME_BYTES, source="datasheet", host_bandwidth=host,
     )
 
 
 CATALOG: dict[str, DeviceSpec] = {
     s.name: s
     for s in (
-        _cuda("H100-80GB", 81559, 3.35e12, 989e12, 450e9, 2e-6),  # NVIDIA H100 Tensor Core GPU datasheet (SXM5)
-        _cuda("H200-141GB", 143771, 4.8e12, 989e12, 450e9, 2e-6),  # NVIDIA H200 Tensor Core GPU datasheet (SXM)
+        _cuda("H100-80GB", 81559, 3.35e12, 989e12, 450e9, 2e-6, PCIE_GEN5_HOST),  # NVIDIA H100 datasheet (SXM5)
+        _cuda("H200-141GB", 143771, 4.8e12, 989e12, 450e9, 2e-6, PCIE_GEN5_HOST),  # NVIDIA H200 datasheet (SXM)
         _cuda("A100-80GB", 81920, 2.039e12, 312e12, 300e9, 2e-6),  # NVIDIA A100 Tensor Core GPU datasheet (SXM4)
         _cuda("A100-40GB", 40960, 1.555e12, 312e12, 300e9, 2e-6),  # NVIDIA A100 Tensor Core GPU datasheet (40GB)
         _cuda("L40S-48GB", 46068, 864e9, 362e12, 25e9, 10e-6),  # NVIDIA L40S datasheet; PCIe Gen4 x16 effective
@@ -224,7 +237,7 @@ CATALOG: dict[str, DeviceSpec] = {
         _cuda("RTX3090-24GB", 24576, 936e9, 71e12, 25e9, 10e-6),  # NVIDIA Ampere GA102 GPU architecture whitepaper
         _cuda("L4-24GB", 23034, 300e9, 121e12, 25e9, 10e-6),  # NVIDIA L4 Tensor Core GPU datasheet
         _cuda("A10-24GB", 23028, 600e9, 125e12, 25e9, 10e-6),  # NVIDIA A10 Tensor Core GPU datasheet
-        _cuda("T4-16GB", 15360, 320e9, 65e12, 12e9, 10e-6),  # NVIDIA T4 Tensor Core GPU datasheet; PCIe Gen3
+        _cuda("T4-16GB", 15360, 320e9, 65e12, 12e9, 10e-6, PCIE_GEN3_HOST),  # NVIDIA T4 datasheet; PCIe Gen3
     )
 }
 """Known devices by canonical name, with datasheet figures."""
@@ -522,6 +535,7 @@ _DEVICE_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "flops": ("flops", _positive(_parse_flops, "200TFLOPS")),
     "link_bandwidth": ("link_bandwidth", _positive(_parse_rate, "25GB/s")),
     "link_latency": ("link_latency", _positive(_parse_seconds, "10us")),
+    "host_bandwidth": ("host_bandwidth", _positive(_parse_rate, "25GB/s")),
     "layer_overhead": ("layer_overhead_s", _parse_seconds),
     "runtime_memory": ("runtime_bytes", parse_size),
 }
@@ -679,7 +693,7 @@ def load_cluster(path: str | Path) -> Cluster:
     """A cluster from a YAML file: ``nodes`` (each with ``name`` and ``devices``) and optional ``inter_node``.
 
     Catalog devices need only ``type`` and ``count`` and may override figures (``memory``, ``bandwidth``,
-    ``flops``, ``link_bandwidth``, ``link_latency``, ``layer_overhead``, ``runtime_memory``); other types
+    ``flops``, ``link_bandwidth``, ``link_latency``, ``host_bandwidth``, ``layer_overhead``, ``runtime_memory``); other types
     must give ``memory``, ``bandwidth`` and ``flops``. ``type: cpu`` needs ``memory`` per worker. Errors
     name the file, the field path (``nodes[0].devices[1].bandwidth``) and the line.
     """

@@ -395,3 +395,20 @@ def test_cluster_checks_device_positions():
         Cluster(nodes=(Node(name="a", devices=()),))
     with pytest.raises(HardwareError, match="kind 'tpu'"):
         hardware.DeviceSpec(**{**spec.__dict__, "kind": "tpu"})
+
+
+def test_host_bandwidth_comes_from_the_catalog_or_the_cluster_file(tmp_path):
+    assert CATALOG["H100-80GB"].host_bandwidth == 55e9  # measured: pinned copies on one H100 (PCIe Gen5)
+    assert CATALOG["A100-80GB"].host_bandwidth == 25e9 and CATALOG["T4-16GB"].host_bandwidth == 12e9
+    path = write(tmp_path, """\
+        nodes:
+          - devices:
+              - {type: H100-80GB, host_bandwidth: 30GB/s}
+    """)
+    assert load_cluster(path).devices[0].spec.host_bandwidth == 30e9
+    with pytest.raises(HardwareError, match="greater than zero"):
+        load_cluster(write(tmp_path, """\
+            nodes:
+              - devices:
+                  - {type: H100-80GB, host_bandwidth: 0GB/s}
+        """))

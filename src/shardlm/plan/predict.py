@@ -15,8 +15,14 @@ from shardlm.plan.cost import (BANDWIDTH_EFFICIENCY, FLOPS_EFFICIENCY, Rate, Sta
 from shardlm.plan.layout import ParallelLayout
 from shardlm.plan.plan import KVBudget, Offload, Performance, Predictions, RankMemory
 
-OFFLOAD_BANDWIDTH = {"cpu": 25e9, "disk": 2e9}
-"""Bytes/s streamed from host RAM over PCIe 4.0 x16, and from an NVMe disk (assumed, not measured)."""
+OFFLOAD_BANDWIDTH = {"disk": 2e9}
+"""Bytes/s streamed from an NVMe disk (assumed, not measured). Host RAM streams at each device's
+`host_bandwidth` (pinned copies over its PCIe link)."""
+
+
+def offload_bandwidth(tier: str, dev: Device) -> float | None:
+    """Bytes/s at which `dev` streams offloaded layers from `tier` (None: nothing offloaded)."""
+    return dev.spec.host_bandwidth if tier == "cpu" else OFFLOAD_BANDWIDTH.get(tier)
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,7 @@ def _stage_times(st, layout, shards, devs, m, batch, tokens, context) -> list[di
             dev = devs[layout.devices[0][s][r]]
             rate = _rate(dev, active.get((dev.node, s), 1), st.cluster, not graphs_apply(st, layout))
             t = stage_time(_work(st, layout, s, r, shards[r], batch, tokens, context), rate, layout.tp,
-                           dev.spec.link_latency, dev.spec.link_bandwidth, OFFLOAD_BANDWIDTH.get(st.offload.tier))
+                           dev.spec.link_latency, dev.spec.link_bandwidth, offload_bandwidth(st.offload.tier, dev))
             worst = t if worst is None or t["total"] > worst["total"] else worst
         out.append(worst)
     return out
@@ -242,6 +248,7 @@ def assumptions(st: Setting, layout: ParallelLayout, devs: dict[str, Device]) ->
     out.append(f"decode reads a KV cache half full on average ({st.kv.max_seq_len // 2} of {st.kv.max_seq_len} "
                f"positions); prefill processes {st.kv.prefill_chunk} tokens per sequence per forward")
     if st.offload.tier != "none":
-        out.append(f"offloaded layers stream from {st.offload.tier} at {OFFLOAD_BANDWIDTH[st.offload.tier] / 1e9:.0f} "
-                   "GB/s with prefetch overlapping compute")
+        rates = sorted({offload_bandwidth(st.offload.tier, devs[c.device]) for c in layout.coords()})
+        shown = "/".join(f"{r / 1e9:.0f}" for r in rates)
+        out.append(f"offloaded layers stream from {st.offload.tier} at {shown} GB/s with prefetch overlapping compute")
     return out
