@@ -50,9 +50,12 @@ def perplexity(
     if device == "cuda":
         import torch
 
-        if not torch.cuda.is_available():
-            _fail("--device cuda was asked for, but torch sees no CUDA device (a CPU build of torch, or no driver); "
-                  "use --device cpu, or run where a GPU and a CUDA build of torch are installed")
+        from shardlm.parallel.launch import DeviceError, rank_device
+
+        try:
+            rank_device(device, 0, torch.cuda.device_count())
+        except DeviceError as e:
+            _fail(str(e))
     if window < 2:
         _fail(f"--window {window} is too small; each window needs at least 2 tokens, e.g. --window 512")
     try:

@@ -46,7 +46,7 @@ CUDA_LAYER_OVERHEAD_S = 100e-6
 ranks): measured on one H100, 94-99 us per layer beyond the bandwidth term (bench/gpu.py, 2026-11-22)."""
 CUDA_EAGER_LAYER_OVERHEAD_S = 750e-6
 """The same when the host issues every kernel (tensor- or pipeline-parallel GPU ranks and streamed
-layers, which the runtime does not capture): 0.74-0.78 ms per layer on that H100 machine's host.
+layers, which the runtime does not capture): 0.72-0.75 ms per layer on that H100 machine's host.
 It is host time, so a faster host CPU does better."""
 CUDA_RUNTIME_BYTES = 1 * GiB  # CUDA context, cuBLAS workspace and NCCL buffers
 CPU_DEFAULTS = {

@@ -5,7 +5,8 @@ CUDA), `aten._weight_int4pack_mm_for_cpu` (tinygemm-style int4, CPU) and `aten._
 (the tinygemm int4 kernel on CUDA, sm80 and later), the ones torchao's int8/int4 weight-only layouts
 dispatched to. The two int4 kernels share the arithmetic (W = (q - 8) * scale + zero, the same
 (groups, rows, 2) scale/zero table) and differ only in how the codes are packed, so one set of
-codes serves both: `pack_int4` packs them for the device they will run on. We call them directly rather than through torchao:
+codes serves both: `pack_int4` packs them for the device they will run on. We call them directly
+rather than through torchao:
 torchao 0.18's int4 weight-only has no CPU layout (its plain format needs a CUDA-only library,
 plain_int32 refuses CPU tensors; tried on this machine), and importing it tries to load its CUDA
 extensions. Using the ops through torch keeps the dependency list as it is and the same code on

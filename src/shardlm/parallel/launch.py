@@ -93,7 +93,7 @@ def _entry(fn: Callable, rank: int, world: int, port: int, listener, threads: in
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(rank_device("cuda", rank, torch.cuda.device_count()))
         join_group(rank, world, port, listener, 120, backend)
         out = fn(rank, world, *args)
         # plain pickle copies tensor data; the queue's own pickler would pass shared-memory handles

@@ -22,22 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardlm.runtime.offload import Slot, StreamStats, _detach, layer_tensors
+from shardlm.runtime.offload import Slot, StreamStats, _detach, _put, _wrap, layer_tensors
 
 ALIGN = 256
 """Byte alignment of each tensor inside a layer's block (keeps every dtype view aligned)."""
-
-
-def _wrap(owner: object, value: torch.Tensor):
-    """What `owner.attr` holds: a frozen Parameter on a module, the tensor itself on a quantized weight."""
-    return nn.Parameter(value, requires_grad=False) if isinstance(owner, nn.Module) else value
-
-
-def _put(owner: object, attr: str, value) -> None:
-    if isinstance(owner, nn.Module):
-        owner._parameters[attr] = value
-    else:
-        setattr(owner, attr, value)
 
 
 @dataclass
@@ -52,9 +40,6 @@ class HostLayer:
 class PinnedStore:
     """Moves finished layers off the GPU into pinned host blocks (`add`), the GPU tier's `OffloadStore`."""
 
-    def __init__(self):
-        self.bytes = 0
-
     def add(self, module: nn.Module) -> HostLayer:
         """Copy every weight of `module` (parameters and quantized fields) into one pinned block and
         leave meta placeholders in the module; returns where each tensor went."""
@@ -68,7 +53,6 @@ class PinnedStore:
         for (_, _, t), s in zip(tensors, slots):
             host[s.offset:s.offset + s.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
         _detach(slots)
-        self.bytes += offset
         return HostLayer(slots, host, offset)
 
     def close(self) -> None:

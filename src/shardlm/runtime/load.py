@@ -65,8 +65,8 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     quantization = stored or quantization
     check_kind(quantization, device)
     on_gpu = torch.device(device).type == "cuda"
-    if on_gpu and quantization == "int4" and torch.cuda.get_device_capability(device) < (8, 0):
-        major, minor = torch.cuda.get_device_capability(device)
+    if on_gpu and quantization == "int4" and (capability := torch.cuda.get_device_capability(device)) < (8, 0):
+        major, minor = capability
         raise QuantizationError(f"int4 weights need a GPU of compute capability 8.0 or later (the CUDA int4 kernel); "
                                 f"{torch.cuda.get_device_name(device)} is {major}.{minor}; use --quantization int8")
     model = rank_meta_model(family, args, coord, stage, ctx)
@@ -105,15 +105,11 @@ def build_rank_model(folder, family: Family, args: ModelArgs, coord: ShardCoord,
     trim_heap()  # what reading, converting and quantizing freed
     if torch.device(device).type == "cpu":
         prepare_linears(model, kernels)
-    if store is not None and on_gpu:
+    if store is not None:
         order = [m for m in model.model.layers.values() if m in extents]
-        model.streamer = DeviceStreamer(extents, order, torch.device(device), prefetch)
-        model.stream_plan = plan
-    elif store is not None:
-        order = [m for m in model.model.layers.values() if m in extents]
-        model.streamer = LayerStreamer(store, extents, order, prefetch, offload_io,
-                                       os.environ.get("SHARDLM_OFFLOAD_UNCACHED") == "1", vocab,
-                                       model.model.embed_tokens, model.lm_head)
+        model.streamer = DeviceStreamer(extents, order, torch.device(device), prefetch) if on_gpu else \
+            LayerStreamer(store, extents, order, prefetch, offload_io, os.environ.get("SHARDLM_OFFLOAD_UNCACHED") == "1",
+                          vocab, model.model.embed_tokens, model.lm_head)
         model.stream_plan = plan
     return model
 

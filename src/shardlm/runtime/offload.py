@@ -83,11 +83,21 @@ def layer_tensors(module: nn.Module) -> list[tuple[object, str, torch.Tensor]]:
     return out
 
 
-def _set(owner: object, attr: str, value: torch.Tensor) -> None:
+def _wrap(owner: object, value: torch.Tensor):
+    """What `owner.attr` holds: a frozen Parameter on a module, the tensor itself on a quantized weight."""
+    return nn.Parameter(value, requires_grad=False) if isinstance(owner, nn.Module) else value
+
+
+def _put(owner: object, attr: str, value) -> None:
+    """Store an already wrapped `value` (see `_wrap`) as `owner.attr`."""
     if isinstance(owner, nn.Module):
-        owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        owner._parameters[attr] = value
     else:
         setattr(owner, attr, value)
+
+
+def _set(owner: object, attr: str, value: torch.Tensor) -> None:
+    _put(owner, attr, _wrap(owner, value))
 
 
 def _detach(slots: list[Slot]) -> None:

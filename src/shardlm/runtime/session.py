@@ -115,21 +115,21 @@ def check_request(opts: GenerateOptions, family: Family, args: ModelArgs) -> Non
                         f"heads and every rank needs at least one; use --tp {min(max(opts.tp, 1), args.n_heads)}")
     check_stages(opts, args)
     weights = weight_bytes(args, opts.dtype, opts.quantization)
-    if opts.device == "cuda" and opts.offload_dir:
-        raise UserError("--offload-dir applies to CPU ranks; on GPUs the layers beyond --memory-budget stay in "
-                        "pinned host memory and stream to the GPU; drop --offload-dir")
+    streaming = opts.memory_budget or opts.stream_layers
     if opts.device == "cuda":
+        if opts.offload_dir:
+            raise UserError("--offload-dir applies to CPU ranks; on GPUs the layers beyond --memory-budget stay in "
+                            "pinned host memory and stream to the GPU; drop --offload-dir")
         # weights go to the GPUs; host memory holds only the layers streamed from it (pinned)
         if opts.memory_budget:
             weights = max(0, weights - opts.world * opts.memory_budget)
         else:
             weights = weights * sum(opts.stream_layers) // max(1, args.n_layers)
-    if opts.memory_budget or opts.stream_layers:
-        if opts.memory_budget and opts.device == "cpu":
+    elif streaming:
+        if opts.memory_budget:
             weights = min(weights, opts.world * opts.memory_budget)
-        if opts.device == "cpu":
-            check_offload_dir(opts.offload_dir)
-    elif opts.offload_dir or not opts.prefetch:
+        check_offload_dir(opts.offload_dir)
+    if not streaming and (opts.offload_dir or not opts.prefetch):
         raise UserError("--offload-dir and --no-prefetch only apply with --memory-budget SIZE; add it or drop them")
     need = weights + opts.world * RANK_OVERHEAD_BYTES
     have = psutil.virtual_memory().available

@@ -134,7 +134,7 @@ def _serve(cfg: WorkerConfig, requests, results, listener) -> None:
                                  memory_budget=cfg.memory_budget, offload_dir=cfg.offload_dir, prefetch=cfg.prefetch,
                                  stream_last=cfg.stream_layers[ctx.pipe.stage if ctx.pipe else 0]
                                  if cfg.stream_layers else None)
-    except torch.OutOfMemoryError as e:
+    except torch.cuda.OutOfMemoryError as e:  # torch.OutOfMemoryError, under its older name
         if device == "cpu":
             raise
         free, total = torch.cuda.mem_get_info(device)
