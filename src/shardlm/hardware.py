@@ -761,3 +761,32 @@ def detect_local(calibration: dict | None = None) -> Cluster:
         spec = cpu_spec(int(psutil.virtual_memory().available), calibration)
         node = _make_node(0, host, [spec], _cpu_cores(calibration))
     return Cluster(nodes=(node,), description=f"detected on {host}")
+
+
+NO_CUDA = ("--device cuda was asked for, but torch sees no CUDA device (torch.cuda.is_available() is False: a CPU "
+           "build of torch, or no driver); use --device cpu, or run where a GPU and a CUDA build of torch are installed")
+
+
+def local_cluster(device: str, world: int, calibration: dict | None = None) -> Cluster:
+    """`world` rank slots on this machine, one device each, as a run starts them.
+
+    ``cpu``: `world` CPU workers sharing the available memory and the cores evenly. ``cuda``: rank r
+    on GPU r mod the GPUs; when ranks outnumber the GPUs each slot gets its share of its GPU's memory
+    (addresses stay one per rank: the runtime deals the slots round-robin onto the GPUs). Imports
+    torch only for ``cuda``.
+    """
+    if device == "cpu":
+        spec = cpu_spec(max(MiB, int(psutil.virtual_memory().available) // world), calibration)
+        node = _make_node(0, socket.gethostname(), [spec] * world, _cpu_cores(calibration))
+        return Cluster(nodes=(node,), description=f"{world}x{spec.name}")
+    import torch  # lazy: CPU runs never import it in the driver
+
+    gpus = torch.cuda.device_count()
+    if gpus < 1:
+        raise HardwareError(NO_CUDA)
+    specs = [_gpu_spec(torch.cuda.get_device_name(i), int(torch.cuda.get_device_properties(i).total_memory))
+             for i in range(gpus)]
+    share = -(-world // gpus)
+    slots = [replace(specs[r % gpus], memory_bytes=specs[r % gpus].memory_bytes // share) for r in range(world)]
+    node = _make_node(0, socket.gethostname(), slots, os.cpu_count())
+    return Cluster(nodes=(node,), description=f"{world} rank(s) on {gpus} GPU(s) of {socket.gethostname()}")

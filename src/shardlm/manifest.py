@@ -22,8 +22,8 @@ import yaml
 
 from shardlm.atomic import atomic_file
 from shardlm.plan.layout import LayoutError, ParallelLayout, check_ranges
-from shardlm.plan.plan import (DTYPES, OBJECTIVES, OFFLOAD_TIERS, QUANTIZATIONS, KVBudget, ModelRef, Monitoring,
-                               Offload, Performance, Plan, Predictions, RankMemory, Serving)
+from shardlm.plan.plan import (DEVICES, DTYPES, OBJECTIVES, OFFLOAD_TIERS, QUANTIZATIONS, KVBudget, ModelRef,
+                               Monitoring, Offload, Performance, Plan, Predictions, RankMemory, Serving)
 
 SCHEMA_VERSION = 1
 HEADER = (f"# shardlm deployment manifest (schema version {SCHEMA_VERSION}); "
@@ -36,7 +36,7 @@ _BYTE_KEYS = ("weights", "kv_cache", "activations", "overhead", "offloaded", "to
 _SIZE_LINE = re.compile(rf"^(\s+(?:- )?(?:{'|'.join(_BYTE_KEYS)}): (\d+))$")
 _PREDICTIONS_NOTE = "or delete the whole predictions section (`shardlm validate` recomputes it)"
 
-_TOP_KEYS = ("version", "model", "cluster", "dtype", "quantization", "objective", "parallelism", "stages",
+_TOP_KEYS = ("version", "model", "cluster", "device", "dtype", "quantization", "objective", "parallelism", "stages",
              "kv_cache", "offload", "serving", "monitoring", "predictions")
 _MEMORY_KEYS = ("rank", "device", "device_name") + _BYTE_KEYS
 _PERF_FLOATS = ("prefill_tokens_per_s", "decode_latency_s", "decode_tokens_per_s", "single_stream_tokens_per_s")
@@ -51,6 +51,7 @@ _HINTS = {
     "model.parameters": "the parameter count, e.g. 8030261248",
     "model.layers": "the number of decoder layers, e.g. 32",
     "cluster": "a device shorthand like 8xH100-80GB, a cluster file path, or local",
+    "device": "one of " + ", ".join(DEVICES),
     "dtype": "one of " + ", ".join(DTYPES),
     "quantization": "one of " + ", ".join(QUANTIZATIONS),
     "objective": "one of " + ", ".join(OBJECTIVES),
@@ -58,6 +59,7 @@ _HINTS = {
     "parallelism.tensor": "the tensor-parallel degree, e.g. 2",
     "parallelism.pipeline": "the number of pipeline stages, e.g. 1",
     "parallelism.data": "the number of data-parallel replicas, e.g. 1",
+    "parallelism.micro_batches": "the micro-batches in flight through the stages, e.g. 2 (0: one per stage)",
     "stages": "a list with one entry {layers: [start, stop], devices: [[...]]} per pipeline stage",
     "stages[]": 'a mapping {layers: [start, stop], devices: [["0:0", ...]]}',
     "stages[].layers": "the stage's [start, stop) layer range, e.g. [0, 16]",
@@ -74,6 +76,9 @@ _HINTS = {
     "offload.layers": "one count of offloaded layers per stage, e.g. [0, 4]",
     "offload.layers[]": "a count of offloaded layers, e.g. 4",
     "offload.dir": "a folder for disk offload, or null",
+    "offload.prefetch": "true or false",
+    "offload.vocab": "one true/false per stage, e.g. [false, true]",
+    "offload.vocab[]": "true or false",
     "serving": "a mapping {host: 127.0.0.1, port: 8000}",
     "serving.host": "a bind address, e.g. 127.0.0.1",
     "serving.port": "a TCP port in 1..65535, e.g. 8000",
@@ -120,6 +125,7 @@ _Dumper.add_representer(_Address, lambda d, data: d.represent_scalar(f"{_TAG}str
 
 # Comments written after top-level keys, for whoever edits the file by hand.
 _TOP_COMMENTS = {
+    "device": " | ".join(DEVICES),
     "dtype": " | ".join(DTYPES),
     "quantization": " | ".join(QUANTIZATIONS),
     "objective": " | ".join(OBJECTIVES),
@@ -160,16 +166,19 @@ def _plan_doc(plan: Plan) -> dict:
         "version": SCHEMA_VERSION,
         "model": {"name": m.name, "architecture": m.architecture, "parameters": m.parameters, "layers": m.n_layers},
         "cluster": plan.cluster,
+        "device": plan.device,
         "dtype": plan.dtype,
         "quantization": plan.quantization,
         "objective": plan.objective,
-        "parallelism": {"tensor": lay.tp, "pipeline": lay.pp, "data": lay.dp},
+        "parallelism": {"tensor": lay.tp, "pipeline": lay.pp, "data": lay.dp,
+                        **({"micro_batches": plan.micro_batches} if plan.micro_batches else {})},
         # YAML groups devices by stage (then replica); the layout stores devices[replica][stage].
         "stages": [{"layers": [a, b], "devices": [_Flow(map(_Address, lay.devices[r][s])) for r in range(lay.dp)]}
                    for s, (a, b) in enumerate(lay.stage_layers)],
         "kv_cache": {"max_batch": plan.kv.max_batch, "max_seq_len": plan.kv.max_seq_len,
                      "prefill_chunk": plan.kv.prefill_chunk},
-        "offload": {"tier": plan.offload.tier, "layers": list(plan.offload.layers), "dir": plan.offload.dir},
+        "offload": {"tier": plan.offload.tier, "layers": list(plan.offload.layers), "dir": plan.offload.dir,
+                    "prefetch": plan.offload.prefetch, **({"vocab": list(plan.offload.vocab)} if plan.offload.vocab else {})},
         "serving": {"host": plan.serving.host, "port": plan.serving.port},
         "monitoring": {"metrics": plan.monitoring.metrics, "dashboard": plan.monitoring.dashboard},
     }
@@ -240,13 +249,14 @@ def parse_manifest(text: str, source: str = "<manifest>") -> Plan:
     top = _mapping(root)
     _check_version(root, top)
     _check_keys(root, top, _TOP_KEYS, ("model", "dtype", "parallelism", "stages", "kv_cache"))
-    tp, pp, dp = _parallelism(top["parallelism"])
+    tp, pp, dp, micro_batches = _parallelism(top["parallelism"])
     layout = _layout(top["stages"], tp, pp, dp)
     offload, serving, monitoring, predictions = (_section(top, k) for k in
                                                  ("offload", "serving", "monitoring", "predictions"))
     return Plan(
         model=_model(top["model"], layout.n_layers),
-        cluster=_opt(top, "cluster", _str, "local"),
+        cluster=(cluster := _opt(top, "cluster", _str, "local")),
+        device=_opt(top, "device", lambda at: _enum(at, DEVICES), device_of_cluster(cluster)),
         dtype=_enum(top["dtype"], DTYPES),
         quantization=_opt(top, "quantization", lambda at: _enum(at, QUANTIZATIONS), "none"),
         layout=layout,
@@ -256,7 +266,14 @@ def parse_manifest(text: str, source: str = "<manifest>") -> Plan:
         serving=Serving() if serving is None else _serving(serving),
         monitoring=Monitoring() if monitoring is None else _monitoring(monitoring),
         predictions=None if predictions is None else _predictions(predictions),
+        micro_batches=micro_batches,
     )
+
+
+def device_of_cluster(cluster: str) -> str:
+    """The device kind a manifest without `device` runs on: cuda for a GPU shorthand or a cluster file whose
+    name does not say cpu, cpu otherwise ("local" included: the run's --device decides there)."""
+    return "cuda" if cluster != "local" and "cpu" not in cluster.lower() else "cpu"
 
 
 @dataclass(frozen=True)
@@ -466,9 +483,9 @@ def _check_version(root: _At, top: dict[str, _At]) -> None:
                        fix + " (or read the file with the shardlm that wrote it)")
 
 
-def _parallelism(at: _At) -> tuple[int, int, int]:
-    f = _fields(at, ("tensor", "pipeline", "data"), ("tensor", "pipeline", "data"))
-    return _int(f["tensor"], 1), _int(f["pipeline"], 1), _int(f["data"], 1)
+def _parallelism(at: _At) -> tuple[int, int, int, int]:
+    f = _fields(at, ("tensor", "pipeline", "data", "micro_batches"), ("tensor", "pipeline", "data"))
+    return _int(f["tensor"], 1), _int(f["pipeline"], 1), _int(f["data"], 1), _opt(f, "micro_batches", _int, 0)
 
 
 def _layout(at: _At, tp: int, pp: int, dp: int) -> ParallelLayout:
@@ -540,7 +557,7 @@ def _kv_cache(at: _At) -> KVBudget:
 
 
 def _offload(at: _At, layout: ParallelLayout) -> Offload:
-    f = _fields(at, ("tier", "layers", "dir"))
+    f = _fields(at, ("tier", "layers", "dir", "prefetch", "vocab"))
     tier = _opt(f, "tier", lambda a: _enum(a, OFFLOAD_TIERS), "none")
     items = _list(f["layers"]) if "layers" in f else []
     counts = tuple(_int(i, 0) for i in items)
@@ -555,7 +572,12 @@ def _offload(at: _At, layout: ParallelLayout) -> Offload:
         if count > b - a:
             raise item.error(f"{count} offloaded layers but the stage has only {b - a}",
                              f"offload at most {b - a} layers of this stage")
-    return Offload(tier=tier, layers=counts, dir=_opt(f, "dir", lambda a: None if _is_null(a.node) else _str(a), None))
+    vocab = tuple(_bool(v) for v in _list(f["vocab"])) if "vocab" in f else ()
+    if vocab and (tier != "disk" or len(vocab) != layout.pp):
+        raise f["vocab"].error(f"{len(vocab)} flag(s) with offload.tier {tier} and {layout.pp} stage(s)",
+                               "give one true/false per stage with offload.tier disk, or delete offload.vocab")
+    return Offload(tier=tier, layers=counts, dir=_opt(f, "dir", lambda a: None if _is_null(a.node) else _str(a), None),
+                   prefetch=_opt(f, "prefetch", _bool, True), vocab=vocab)
 
 
 def _serving(at: _At) -> Serving:

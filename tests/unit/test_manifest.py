@@ -46,7 +46,7 @@ def test_round_trip(plan):
 def test_written_for_people():
     text = plan_to_yaml(plan_2x2x2())
     doc = yaml.safe_load(text)
-    assert list(doc)[:4] == ["version", "model", "cluster", "dtype"] and doc["version"] == 1
+    assert list(doc)[:5] == ["version", "model", "cluster", "device", "dtype"] and doc["version"] == 1
     assert doc["stages"][1]["devices"] == [["0:2", "0:3"], ["0:6", "0:7"]]  # by stage, then replica
     assert doc["predictions"]["memory"][0]["total"] == 17_502_003_000
     assert "weights: 17000000000  # 15.8 GiB" in text and 'devices:\n  - ["0:0", "0:1"]' in text

@@ -80,6 +80,18 @@ class ParallelLayout:
         """Every rank's coordinates, in rank order."""
         return [self.coord(r) for r in range(self.world)]
 
+    def rank_of(self, replica: int, stage: int, tp_rank: int) -> int:
+        """The global rank at (replica, stage, tp_rank): the inverse of `coord`."""
+        if not (0 <= replica < self.dp and 0 <= stage < self.pp and 0 <= tp_rank < self.tp):
+            raise LayoutError(f"(replica {replica}, stage {stage}, tp rank {tp_rank}) is outside a layout of "
+                              f"dp {self.dp} x pp {self.pp} x tp {self.tp}")
+        return (replica * self.pp + stage) * self.tp + tp_rank
+
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        """The ranks of every tensor-parallel group (one per replica and stage), in a fixed order that every
+        rank can create process groups in."""
+        return [tuple(self.rank_of(r, s, t) for t in range(self.tp)) for r in range(self.dp) for s in range(self.pp)]
+
     def stage_of_layer(self, layer: int) -> int:
         """The stage that runs decoder layer `layer`."""
         for s, (a, b) in enumerate(self.stage_layers):

@@ -8,14 +8,10 @@ from shardlm import hardware
 from shardlm.models.inventory import parameter_count
 from shardlm.models.presets import resolve_config
 from shardlm.models.registry import args_for_config
-from shardlm.plan.plan import DTYPES, OBJECTIVES, QUANTIZATIONS, KVBudget, ModelRef, Plan
+from shardlm.plan.plan import DTYPES, OBJECTIVES, QUANTIZATIONS, KVBudget, ModelRef, Plan, PlanError
 from shardlm.plan.predict import Setting, predict
 from shardlm.plan.search import Candidate, Request, choose, enumerate_candidates
 from shardlm.plan.validate import no_fit_advice
-
-
-class PlanError(ValueError):
-    """A planning request that cannot be met; the message has the numbers and the fix."""
 
 
 def load_model(model: str):

@@ -12,26 +12,22 @@ from shardlm.models.args import ModelArgs
 from shardlm.models.inventory import TensorInfo, layer_tensors, outer_tensors
 from shardlm.parallel.split import HeadSplit, split_range
 from shardlm.parallel.styles import ShardCoord, Style, param_slices
-from shardlm.quant_spec import INT4_GROUP
+from shardlm.quant_spec import linear_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def tensor_bytes(t: TensorInfo, shape: tuple[int, ...], dtype: str, quant: str) -> int:
-    """Bytes of (a slice of) tensor `t` with `shape`, stored in `dtype` or quantized.
+def tensor_bytes(t: TensorInfo, shape: tuple[int, ...], dtype: str, quant: str, col_start: int = 0) -> int:
+    """Bytes of (a slice of) tensor `t` with `shape`, held in `dtype` or quantized.
 
-    Weight-only quantization touches linear weights only, in the runtime's format (shardlm.quant):
-    int8 keeps one scale per output row; int4 packs two values per byte plus a scale and a zero
-    point per INT4_GROUP input columns, scales and zeros in bfloat16. Embeddings, norms, biases and
-    routers stay in `dtype`.
+    Weight-only quantization touches linear weights only, in the runtime's in-memory format with its
+    padding (`quant_spec.linear_bytes`: int8 with a scale per output row; int4 packed two per byte
+    with a scale and a zero point per group of input columns). `col_start` is the slice's first
+    column in the full weight. Embeddings, norms, biases and routers stay in `dtype`.
     """
-    n = math.prod(shape)
-    if quant == "none" or not t.linear:
-        return n * DTYPE_BYTES[dtype]
-    if quant == "int8":
-        return n + shape[0] * 2
-    groups = shape[0] * math.ceil(shape[-1] / INT4_GROUP) if len(shape) == 2 else math.ceil(n / INT4_GROUP)
-    return n // 2 + groups * 4
+    if quant == "none" or not t.linear or len(shape) != 2:
+        return math.prod(shape) * DTYPE_BYTES[dtype]
+    return linear_bytes(shape[0], shape[1], quant, col_start)
 
 
 @dataclass(frozen=True)
@@ -60,6 +56,13 @@ def _sliced(t: TensorInfo, plan: dict[str, Style], coord: ShardCoord) -> tuple[i
     return tuple(s.stop - s.start for s in param_slices(t.name, t.shape, plan, coord))
 
 
+def _slice_bytes(t: TensorInfo, plan: dict[str, Style], coord: ShardCoord, dtype: str, quant: str) -> int:
+    """Bytes of the slice of `t` rank `coord` holds (quantized with its own column offset)."""
+    slices = param_slices(t.name, t.shape, plan, coord)
+    shape = tuple(s.stop - s.start for s in slices)
+    return tensor_bytes(t, shape, dtype, quant, slices[-1].start if len(slices) == 2 else 0)
+
+
 def shard_weights(args: ModelArgs, plan: dict[str, Style], tp: int, tp_rank: int, dtype: str,
                   quant: str) -> ShardWeights:
     """Weight bytes of rank `tp_rank` of `tp`, from the family's TP plan (replicated parts included)."""
@@ -73,14 +76,14 @@ def shard_weights(args: ModelArgs, plan: dict[str, Style], tp: int, tp_rank: int
     head_shape = _sliced(head or emb, plan, coord)  # a tied head is the embedding's vocabulary slice
     return ShardWeights(
         embed=emb_b,
-        layer=sum(tensor_bytes(t, shapes[t.name], dtype, quant) for t in layer),
+        layer=sum(_slice_bytes(t, plan, coord, dtype, quant) for t in layer),
         final_norm=tensor_bytes(others["norm"], others["norm"].shape, dtype, "none"),
         head=tensor_bytes(head, head_shape, dtype, quant) if head else emb_b,
         tied=head is None,
         layer_params=sum(math.prod(shapes[t.name]) for t in layer if t.part != "experts")
         + _active_expert_params(args, layer, shapes),
         head_params=math.prod(head_shape),
-        experts=sum(tensor_bytes(t, shapes[t.name], dtype, quant) for t in layer if t.part == "experts"),
+        experts=sum(_slice_bytes(t, plan, coord, dtype, quant) for t in layer if t.part == "experts"),
     )
 
 

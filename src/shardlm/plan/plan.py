@@ -11,11 +11,16 @@ from dataclasses import dataclass, field
 from shardlm.plan.layout import ParallelLayout
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "int4")
 OFFLOAD_TIERS = ("none", "cpu", "disk")
 OBJECTIVES = ("latency", "throughput")
 IMBALANCE_LIMIT = 0.15
 """Largest allowed stage-time imbalance (slowest stage / mean stage time - 1) before validation fails."""
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made or run as asked; the message has the numbers and the fix."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,19 @@ class Offload:
     """Per stage, how many of its layers are offloaded (empty when tier is none)."""
     dir: str | None = None
     """Folder for disk offload."""
+    prefetch: bool = True
+    """Read the next offloaded layer while the current one computes."""
+    vocab: tuple[bool, ...] = ()
+    """Per stage, whether its embedding / float LM head is also used in place from the offload file, a
+    block of rows at a time (when even streaming every layer would not fit; disk tier only). Empty: none."""
+
+    def stage_layers(self, stage: int) -> int:
+        """How many of `stage`'s layers are offloaded (its last ones)."""
+        return self.layers[stage] if self.tier != "none" and self.layers else 0
+
+    def stage_vocab(self, stage: int) -> bool:
+        """Whether `stage` uses its embedding / head in place from the offload file."""
+        return bool(self.vocab) and self.vocab[stage]
 
 
 @dataclass(frozen=True)
@@ -171,3 +189,106 @@ class Plan:
     """Monitor settings."""
     predictions: Predictions | None = None
     """Filled by the planner; recomputed by validate."""
+    device: str = "cpu"
+    """Kind of device the ranks run on: cpu | cuda (for a "local" cluster the run's --device decides)."""
+    micro_batches: int = 0
+    """Micro-batches in flight through the pipeline stages; 0 picks one per stage (capped by the batch)."""
+
+    @property
+    def world(self) -> int:
+        """Rank processes the plan runs."""
+        return self.layout.world
+
+    def rank_spec(self, rank: int) -> "RankSpec":
+        """What global `rank` builds and runs: its coordinates, layers, neighbours, numerics and tiers."""
+        lay = self.layout
+        c = lay.coord(rank)
+        a, b = lay.stage_layers[c.stage]
+        at = lambda stage: lay.rank_of(c.replica, stage, c.tp_rank)  # noqa: E731 - same tp rank, another stage
+        return RankSpec(
+            rank=rank, world=lay.world, replica=c.replica, stage=c.stage, tp_rank=c.tp_rank, tp=lay.tp, pp=lay.pp,
+            layers=(a, b), address=c.device, device=self.device, dtype=self.dtype, quantization=self.quantization,
+            offload=RankOffload(self.offload.tier if self.offload.stage_layers(c.stage) or
+                                self.offload.stage_vocab(c.stage) else "none",
+                                self.offload.stage_layers(c.stage), self.offload.stage_vocab(c.stage),
+                                self.offload.dir, self.offload.prefetch),
+            kv=self.kv, micro_batches=self.micro_batches, tp_groups=tuple(lay.tp_groups()),
+            prev=at(c.stage - 1) if c.stage > 0 else None, next=at(c.stage + 1) if c.stage < lay.pp - 1 else None,
+            first=at(0), last=at(lay.pp - 1))
+
+
+@dataclass(frozen=True)
+class RankOffload:
+    """One rank's offloaded weights: which tier, how many of its stage's last layers, the vocabulary."""
+
+    tier: str
+    """none | cpu (pinned host RAM, GPU ranks) | disk (a scratch file, CPU ranks)."""
+    layers: int
+    """The stage's last `layers` decoder layers stream in ahead of use."""
+    vocab: bool
+    """The embedding / float LM head is used in place from the scratch file, a block of rows at a time."""
+    dir: str | None
+    """Folder for the scratch file (disk tier)."""
+    prefetch: bool
+    """Bring the next streamed layer in while the current one computes."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything one rank needs from the Plan (plan.rank_spec(rank)): it re-derives nothing."""
+
+    rank: int
+    """Global rank."""
+    world: int
+    """Ranks in the whole plan."""
+    replica: int
+    """Data-parallel replica."""
+    stage: int
+    """Pipeline stage."""
+    tp_rank: int
+    """Position in its tensor-parallel group."""
+    tp: int
+    """Tensor-parallel degree."""
+    pp: int
+    """Pipeline stages."""
+    layers: tuple[int, int]
+    """[start, stop) decoder layers of its stage."""
+    address: str
+    """Device address "node:index" in the plan's cluster."""
+    device: str
+    """cpu | cuda."""
+    dtype: str
+    """Compute and storage dtype of unquantized tensors."""
+    quantization: str
+    """none | int8 | int4."""
+    offload: RankOffload
+    """Its offloaded weights."""
+    kv: KVBudget
+    """What its KV cache is sized for."""
+    micro_batches: int
+    """Pipeline micro-batches (0: one per stage, capped by the batch)."""
+    tp_groups: tuple[tuple[int, ...], ...]
+    """The ranks of every tensor-parallel group of the plan, in the order every rank creates them."""
+    prev: int | None
+    """Rank of the previous stage with the same tp rank (None on the first stage)."""
+    next: int | None
+    """Rank of the next stage with the same tp rank (None on the last stage)."""
+    first: int
+    """Rank of the first stage with the same tp rank (where the last stage sends sampled tokens)."""
+    last: int
+    """Rank of the last stage with the same tp rank."""
+
+    @property
+    def first_stage(self) -> bool:
+        """Holds the embedding (takes token ids)."""
+        return self.stage == 0
+
+    @property
+    def last_stage(self) -> bool:
+        """Holds the final norm and the LM head (produces logits)."""
+        return self.stage == self.pp - 1
+
+    @property
+    def tp_group(self) -> tuple[int, ...]:
+        """The ranks of its own tensor-parallel group."""
+        return self.tp_groups[self.replica * self.pp + self.stage]

@@ -14,6 +14,7 @@ from shardlm.plan.cost import (BANDWIDTH_EFFICIENCY, FLOPS_EFFICIENCY, Rate, Sta
                                stage_time)
 from shardlm.plan.layout import ParallelLayout
 from shardlm.plan.plan import KVBudget, Offload, Performance, Predictions, RankMemory
+from shardlm.plan.streaming import resident_bytes
 
 OFFLOAD_BANDWIDTH = {"disk": 2e9}
 """Bytes/s streamed from an NVMe disk (assumed, not measured). Host RAM streams at each device's
@@ -74,14 +75,14 @@ def _stage_facts(layout: ParallelLayout, stage: int) -> tuple[int, bool, bool]:
 
 
 def _offloaded(st: Setting, stage: int) -> int:
-    return st.offload.layers[stage] if st.offload.tier != "none" and st.offload.layers else 0
+    return st.offload.stage_layers(stage)
 
 
 def _rank_memory(st: Setting, layout: ParallelLayout, c, w: mem.ShardWeights, dev: Device) -> RankMemory:
     n, first, last = _stage_facts(layout, c.stage)
     off = _offloaded(st, c.stage)
-    resident_layers = n - off + (min(2, off))  # two prefetch buffers while layers stream in
-    weights = mem.stage_weight_bytes(w, resident_layers, first, last)
+    weights = resident_bytes(w, n, first, last, off, st.offload.stage_vocab(c.stage),
+                             2 if st.offload.prefetch else 1, st.quant != "none")
     kv = mem.kv_bytes(st.args, layout.tp, c.tp_rank, n, st.kv.max_batch, st.kv.max_seq_len, st.dtype)
     act = mem.activation_bytes(st.args, layout.tp, c.tp_rank, st.kv.max_batch, st.kv.prefill_chunk,
                                st.kv.prefill_chunk, st.dtype, last)

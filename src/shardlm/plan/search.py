@@ -51,6 +51,8 @@ class Request:
     """Pinned layers per stage."""
     offload: bool = False
     """May layers be streamed from host RAM or disk when nothing else fits (opt-in: host RAM is not modelled)."""
+    micro_batches: int = 0
+    """Pipeline micro-batches (0: one per stage, capped by the batch)."""
 
 
 @dataclass(frozen=True)
@@ -137,10 +139,10 @@ def _layout(req: Request, groups: list[TPGroup], tp: int, pp: int, dp: int, quan
 
 def _evaluate(req: Request, layout: ParallelLayout, quant: str, offload: Offload) -> Candidate:
     """Predict a layout and check every rank against its device's budget."""
-    st = Setting(req.args, req.tp_plan, req.cluster, req.dtype, quant, req.kv, offload)
+    st = Setting(req.args, req.tp_plan, req.cluster, req.dtype, quant, req.kv, offload, req.micro_batches)
     pred = predict(st, layout)
     plan = Plan(req.model, req.cluster_name, req.dtype, quant, layout, req.kv, req.objective, offload,
-                predictions=pred)
+                predictions=pred, device=req.cluster.devices[0].spec.kind, micro_batches=req.micro_batches)
     worst = max(pred.memory, key=lambda r: r.total - r.capacity * HEADROOM)
     over = int(worst.total - worst.capacity * HEADROOM)
     if over > 0:
@@ -211,6 +213,17 @@ def _try(req, groups, tp, pp, dp, quant, devs) -> Candidate:
     if not cand.feasible:
         return _with_offload(req, layout, quant) or cand
     return cand
+
+
+def fixed_candidate(req: Request, offload: Offload = Offload()) -> Candidate | None:
+    """The one single-replica layout `req` pins (tp, pp, layers per stage and quantization all given),
+    predicted and checked like any candidate; None when the cluster has too few devices for it."""
+    devs = {d.address: d for d in req.cluster.devices}
+    groups = sorted(tp_groups(req.cluster, req.tp), key=lambda g: (g.node, -devs[g.addresses[0]].spec.memory_bytes))
+    if len(groups) < req.pp:
+        return None
+    layout, _ = _layout(req, groups, req.tp, req.pp, 1, req.quantization, devs)
+    return _evaluate(req, layout, req.quantization, offload)
 
 
 def rank_key(c: Candidate, objective: str) -> tuple:
