@@ -53,9 +53,12 @@ from shardlm.atomic import atomic_file
 from shardlm.bundled import default_model_dir
 from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config
-from shardlm.runtime.engine import LocalEngine
-from shardlm.runtime.messages import SamplingParams
-from shardlm.runtime.text import load_tokenizer, pad_id
+from shardlm.engine import LocalEngine
+from shardlm.engine.session import plan_run
+from shardlm.engine.text import load_tokenizer, pad_id
+from shardlm.plan.plan import KVBudget
+from shardlm.plan.run import RunFlags
+from shardlm.runtime.protocol import SamplingParams
 
 PROMPT_LEN = 40  # "a few dozen" tokens per decode prompt
 PREFILL_LEN = 512
@@ -180,8 +183,8 @@ class ShardlmSystem:
 
     def __init__(self, label: str, folder: Path, family, args, tp: int, dtype: str, metrics: tuple[str, ...]):
         self.label, self.tp, self.dtype, self.metrics = label, tp, dtype, metrics
-        self.engine = LocalEngine(str(folder), family.name, dataclasses.replace(args, eos_token_ids=()),
-                                  tp=tp, dtype=dtype)
+        plan, source = plan_run(str(folder), RunFlags(tp=tp, dtype=dtype), KVBudget(BATCH, 2048, PREFILL_LEN))
+        self.engine = LocalEngine(plan, source)
         self._comms = [{} for _ in range(tp)]
         self.peak_rss: list[int] = [0] * tp
         self.tokens_b1: list[int] | None = None
@@ -193,7 +196,7 @@ class ShardlmSystem:
         self.peak_rss = [r.get("peak_rss_bytes", 0) for r in self.engine.ready]
 
     def _generate(self, prompts: list[list[int]], new: int, pad: int):
-        res = self.engine.generate(prompts, new, SamplingParams(), pad)
+        res = self.engine.generate(prompts, new, SamplingParams(), pad, ignore_eos=True)
         if any(len(t) != new for t in res.token_ids):
             raise RuntimeError(f"{self.label}: a row stopped before {new} tokens; EOS was meant to be disabled")
         self.peak_rss = [max(a, r["peak_rss_bytes"]) for a, r in zip(self.peak_rss, res.ranks)]

@@ -87,36 +87,34 @@ class Shardlm:
 
     def __init__(self, folder: Path, dtype: torch.dtype, quantization=None, budget=None, prefetch=True,
                  graphs: bool = True):
-        from shardlm.models.args import read_config
-        from shardlm.models.registry import args_for_config
+        from shardlm.engine.session import plan_run
         from shardlm.parallel.context import ParallelContext
-        from shardlm.quant import model_bytes
-        from shardlm.runtime.load import build_rank_model, shard_coord
+        from shardlm.plan.run import RunFlags
+        from shardlm.runtime.build import build_rank_model
+        from shardlm.settings import Settings
 
-        family, self.args = args_for_config(read_config(folder))
-        coord = shard_coord(self.args, 0, 1)
-        self.kv = coord.local_kv_heads()
-        self.model = build_rank_model(folder, family, self.args, coord, ParallelContext(), dtype, "cuda:0",
-                                      quantization=quantization, memory_budget=budget, prefetch=prefetch)
-        self.model.cuda_graphs = graphs  # decode steps as CUDA graph replays (runtime/cuda_graph.py)
-        self.resident = model_bytes(self.model)
-        streamer = self.model.__dict__.get("streamer")
-        self.streamed_per_token = streamer.bytes_per_pass if streamer else 0
+        flags = RunFlags(dtype=str(dtype).removeprefix("torch."), quantization=quantization or "none", device="cuda",
+                         memory_budget=budget, prefetch=prefetch)
+        plan, source = plan_run(str(folder), flags)
+        self.args = source.args
+        # decode steps as CUDA graph replays (runtime/cuda_graph.py) unless `graphs` is off
+        self.model = build_rank_model(plan.rank_spec(0), source, ParallelContext(),
+                                      Settings.from_env(cuda_graphs=graphs), "cuda:0")
+        self.resident = self.model.resident_bytes()
+        self.streamed_per_token = self.model.streamed_bytes_per_step()
 
     def generate(self, ids: list[int], new: int) -> list[int]:
-        from shardlm.runtime.messages import SamplingParams
+        from shardlm.runtime.protocol import SamplingParams
         from shardlm.runtime.step import Batch, generate
 
-        return generate(self.model, Batch.from_lists([ids]), new, SamplingParams(), (), self.kv)[0]
+        return generate(self.model, Batch.from_lists([ids]), new, SamplingParams(), ())[0]
 
     def stream_stats(self) -> dict | None:
-        streamer = self.model.__dict__.get("streamer")
+        streamer = self.model.streamer
         return streamer.stats.as_dict() if streamer else None
 
     def close(self) -> None:
-        streamer = self.model.__dict__.get("streamer")
-        if streamer is not None:
-            streamer.close()
+        self.model.close()
         del self.model
         torch.cuda.empty_cache()
 

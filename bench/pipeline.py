@@ -35,9 +35,12 @@ from shardlm.bundled import default_model_dir  # noqa: E402
 from shardlm.models.args import read_config  # noqa: E402
 from shardlm.models.registry import args_for_config  # noqa: E402
 from shardlm.parallel.launch import run_on_ranks  # noqa: E402
-from shardlm.runtime.engine import LocalEngine  # noqa: E402
-from shardlm.runtime.messages import SamplingParams  # noqa: E402
-from shardlm.runtime.text import load_tokenizer, pad_id  # noqa: E402
+from shardlm.engine import LocalEngine  # noqa: E402
+from shardlm.engine.session import plan_run  # noqa: E402
+from shardlm.engine.text import load_tokenizer, pad_id  # noqa: E402
+from shardlm.plan.plan import KVBudget  # noqa: E402
+from shardlm.plan.run import RunFlags  # noqa: E402
+from shardlm.runtime.protocol import SamplingParams  # noqa: E402
 
 HEADING = "## Pipeline parallelism: batch throughput (bench/pipeline.py)"
 BATCH, PROMPT_LEN = 8, 40
@@ -87,6 +90,13 @@ def measure_p2p(dim: int) -> dict[str, tuple[int, float]]:
     return {k: (n * 4, res[n]) for k, n in zip(kinds, sizes)}
 
 
+def _plan(folder: Path, tp: int, stages: tuple, m: int):
+    """The plan and model of one system: its stages and micro-batches (the planner's default for pp 2 is 2)."""
+    counts = tuple(b - a for a, b in stages) if stages else None
+    flags = RunFlags(tp=tp, pp=len(stages) or 1, layers=counts, micro_batches=m if counts else None)
+    return plan_run(str(folder), flags, KVBudget(BATCH, PROMPT_LEN + 128, PROMPT_LEN))
+
+
 def run_round(engines: dict, order: list[str], work, new: int, gate, pad: int, say) -> dict[str, dict]:
     """One generate per system (in `order`); returns per-system measurements."""
     out = {}
@@ -96,7 +106,7 @@ def run_round(engines: dict, order: list[str], work, new: int, gate, pad: int, s
 
         def call(eng=eng, label=label):
             t0 = time.perf_counter()
-            res = eng.generate(work, new, SamplingParams(), pad, ignore_eos=True, micro_batches=SYSTEMS[label][2])
+            res = eng.generate(work, new, SamplingParams(), pad, ignore_eos=True)
             return time.perf_counter() - t0, res
         foreign, (wall, res) = gate.measure(call)
         comms = [r["comms"] for r in res.ranks]
@@ -126,14 +136,14 @@ def main() -> None:
     say("measuring point-to-point message cost (gloo ping-pong, 2 ranks)...")
     p2p = measure_p2p(args.dim)
     engines = {}
-    for label, (tp, stages, _, threads) in SYSTEMS.items():
+    for label, (tp, stages, m, threads) in SYSTEMS.items():
         say(f"starting {label}...")
-        engines[label] = LocalEngine(str(folder), family.name, args, tp=tp, stage_layers=stages, threads=threads).start()
+        engines[label] = LocalEngine(*_plan(folder, tp, stages, m), threads=threads).start()
     gate = _decode.QuietGate(budget_s=120.0)
     labels = list(SYSTEMS)
     try:
         for label in labels:  # warm-up: first calls pay one-off costs
-            engines[label].generate(work, 4, SamplingParams(), pad, ignore_eos=True, micro_batches=SYSTEMS[label][2])
+            engines[label].generate(work, 4, SamplingParams(), pad, ignore_eos=True)
         rounds = []
         for r in range(opts.rounds):
             order = labels[r % len(labels):] + labels[:r % len(labels)]

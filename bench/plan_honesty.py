@@ -33,8 +33,10 @@ from shardlm.models.registry import args_for_config  # noqa: E402
 from shardlm.plan.layout import ParallelLayout  # noqa: E402
 from shardlm.plan.plan import KVBudget  # noqa: E402
 from shardlm.plan.predict import Setting, predict  # noqa: E402
-from shardlm.runtime.engine import LocalEngine  # noqa: E402
-from shardlm.runtime.messages import SamplingParams  # noqa: E402
+from shardlm.engine import LocalEngine  # noqa: E402
+from shardlm.engine.session import plan_run  # noqa: E402
+from shardlm.plan.run import RunFlags  # noqa: E402
+from shardlm.runtime.protocol import SamplingParams  # noqa: E402
 
 HEADING = "## Planner honesty: predicted vs measured (bench/plan_honesty.py)"
 PROMPT, NEW = 64, 64
@@ -52,9 +54,8 @@ def predicted(folder: Path, tp: int):
 
 
 def measured(folder: Path, tp: int):
-    fam, args = args_for_config(read_config(folder))
     prompt = [[(7 * i) % 1000 + 3 for i in range(PROMPT)]]
-    with LocalEngine(str(folder), fam.name, args, tp=tp) as engine:
+    with LocalEngine(*plan_run(str(folder), RunFlags(tp=tp), KVBudget(1, PROMPT + NEW, PROMPT))) as engine:
         result = engine.generate(prompt, NEW, SamplingParams(), ignore_eos=True)
     return [r["peak_rss_bytes"] for r in result.ranks], result.decode_tokens / result.decode_s
 

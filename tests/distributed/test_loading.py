@@ -3,12 +3,11 @@
 import psutil
 import pytest
 
-from shardlm.models.args import read_config
+from refs import build
 from shardlm.models.random import write_random_checkpoint
-from shardlm.models.registry import LLAMA_PRESETS, args_for_config
+from shardlm.models.registry import LLAMA_PRESETS
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.launch import run_on_ranks
-from shardlm.runtime.load import build_rank_model, shard_coord
 from shardlm.runtime.worker import peak_rss_bytes
 
 WORKSPACE = 200 * 2**20
@@ -16,10 +15,9 @@ WORKSPACE = 200 * 2**20
 
 
 def _load(rank, world, folder):
-    family, args = args_for_config(read_config(folder))
     before = psutil.Process().memory_info().rss
-    model = build_rank_model(folder, family, args, shard_coord(args, rank, world), ParallelContext(rank, world))
-    owned = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    model = build(folder, rank, ParallelContext(rank, world), tp=world)
+    owned = model.resident_bytes()
     return peak_rss_bytes() - before, owned
 
 

@@ -7,7 +7,7 @@ import torch
 from conftest import hf_model
 from refs import assert_logits_close, hf_logits_and_tokens, shardlm_stage_rank
 from shardlm.parallel.launch import run_on_ranks
-from shardlm.runtime.messages import SamplingParams
+from shardlm.runtime.protocol import SamplingParams
 from shardlm.runtime.step import Batch
 
 

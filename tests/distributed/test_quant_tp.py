@@ -5,32 +5,32 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refs import build
 from shardlm.models.args import read_config
 from shardlm.models.presets import PRESETS
 from shardlm.models.random import write_random_checkpoint
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.launch import run_on_ranks
-from shardlm.parallel.styles import param_slices
-from shardlm.runtime.load import build_rank_model, shard_coord
+from shardlm.parallel.styles import ShardCoord, param_slices
+from shardlm.quant import Int4Weight, Int8Weight
+from shardlm.settings import Settings
 
 
 def _dequantized(model) -> dict[str, torch.Tensor]:
     """Every quantized module's weight (out, in) read back through its kernel (identity input)."""
     out = {}
     for name, m in model.named_modules():
-        q = m.__dict__.get("quant")
-        if q is not None:
+        q = getattr(m, "kernel_weight", None)
+        if isinstance(q, (Int8Weight, Int4Weight)):
             out[name] = q.matmul_t(torch.eye(q.in_features)).t().float()  # (out, in)
     return out
 
 
 def _build(rank, world, folder, kind):
-    family, args = args_for_config(read_config(folder))
-    ctx = ParallelContext(rank, world)
-    model = build_rank_model(folder, family, args, shard_coord(args, rank, world), ctx, quantization=kind,
-                             kernels="torch")
-    return _dequantized(model)
+    model = build(folder, rank, ParallelContext(rank, world), settings=Settings(kernels="torch"), tp=world,
+                  quantization=kind or "none")
+    return _dequantized(model.module)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_each_rank_holds_the_slice_of_the_tp1_quantized_weight(model, kind, tp):
     ranks = run_on_ranks(_build, tp, str(model), kind, timeout_s=180)
     assert whole and all(r.keys() == whole.keys() for r in ranks)
     for rank, got in enumerate(ranks):
-        coord = shard_coord(args, rank, tp)
+        coord = ShardCoord.for_model(args, rank, tp)
         for name, w in got.items():
             sl = param_slices(f"{name}.weight", tuple(whole[name].shape), family.tp_plan, coord)
             assert torch.equal(w, whole[name][sl]), f"tp {tp} rank {rank} {name}"

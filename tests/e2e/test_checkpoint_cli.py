@@ -109,10 +109,16 @@ def test_generate_from_per_rank_files_matches_slicing(tmp_path):
     assert json.loads(ours.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
     wrong = run_cli("generate", "x", "--model", str(tmp_path / "ranks"), "--tp", "2")
     assert wrong.returncode == 2 and "shardlm reshard" in wrong.stderr
+    # without --manifest or layout flags, the files' recorded plan runs (its layout, dtype, quantization)
+    recorded = run_cli("generate", "The capital of France is", "--model", str(tmp_path / "ranks"),
+                       "--max-new-tokens", "6", "--json")
+    assert recorded.returncode == 0, recorded.stderr
+    out = json.loads(recorded.stdout)
+    assert (out["pp"], out["tp"], out["dtype"]) == (2, 1, "float32") and out["token_ids"] == json.loads(ours.stdout)["token_ids"]
 
 
 @pytest.mark.parametrize("args,expect", [
-    (["verify", "/no/such/folder"], "is not a folder"),
+    (["verify", "/no/such/folder"], "'/no/such/folder' does not exist; give an existing folder"),
     (["shard", "smollm2-135m", "--manifest", "/no/such.yaml", "-o", "/tmp/x"], "no/such.yaml"),
     (["convert", "smollm2-135m", "-o", "{tmp}/c", "--max-shard-size", "12XB"], "--max-shard-size"),
     (["convert", "smollm2-135m", "-o", "{tmp}/c", "--dtype", "int3"], "--dtype int3 is not supported"),

@@ -45,11 +45,9 @@ def test_the_command_entry_point_imports_nothing_heavy():
 
 def test_a_script_without_the_main_guard_is_told_why_its_ranks_died(tmp_path):
     script = tmp_path / "noguard.py"
-    script.write_text("from shardlm.models.registry import args_for_config\n"
-                      "from shardlm.models.presets import PRESETS\n"
-                      "from shardlm.runtime.engine import LocalEngine\n"
-                      "fam, args = args_for_config(PRESETS['debug'])\n"
-                      f"LocalEngine({str(tmp_path)!r}, fam.name, args).start()\n")
+    script.write_text("from shardlm.engine import LocalEngine\n"
+                      "from shardlm.engine.session import plan_run\n"
+                      "LocalEngine(*plan_run()).start()\n")
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "died with exit code 1 before it could report" in res.stderr and "__main__" in res.stderr, res.stderr[-3000:]

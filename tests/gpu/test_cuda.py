@@ -10,15 +10,16 @@ import pytest
 import torch
 
 from conftest import hf_model
-from refs import assert_logits_close, hf_logits_and_tokens, shardlm_stage_rank
+from refs import assert_logits_close, build, hf_logits_and_tokens, plan_for, shardlm_stage_rank
 from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.launch import run_on_ranks
+from shardlm.plan.memory import shard_weights, stage_weight_bytes
 from shardlm.quant import int4_codes, int8_codes, pack_int4, pack_int8
-from shardlm.runtime.load import build_rank_model, shard_coord
-from shardlm.runtime.messages import SamplingParams
+from shardlm.runtime.protocol import SamplingParams
 from shardlm.runtime.step import Batch, attention_mask, generate, positions_for
+from shardlm.settings import Settings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 
@@ -37,24 +38,19 @@ def cuda_rank(rank: int, world: int, folder: str, prompts, n_new: int, quantizat
     device = f"cuda:{rank % torch.cuda.device_count()}"
     torch.cuda.set_device(device)
     torch.cuda.reset_peak_memory_stats(device)
-    family, args = args_for_config(read_config(folder))
     ctx = ParallelContext(rank=rank, world=world, cuda_collectives=dist.get_backend() == "nccl")
-    coord = shard_coord(args, rank, world)
-    model = build_rank_model(folder, family, args, coord, ctx, torch.float32, device, quantization=quantization,
-                             memory_budget=budget, prefetch=prefetch)
+    model = build(folder, rank, ctx, device, tp=world, quantization=quantization or "none", memory_budget=budget,
+                  prefetch=prefetch)
+    args = model.args
     batch = Batch.from_lists(prompts)
     s = batch.tokens.shape[1]
     mask = attention_mask(batch.valid, 0, s, args.sliding_window)
     logits = model(batch.tokens.to(device), positions_for(batch.valid).to(device), mask.to(device)).cpu()
-    tokens = generate(model, batch, n_new, SamplingParams(), (), coord.local_kv_heads())
-    streamer = model.__dict__.get("streamer")
-    stats = streamer.stats.as_dict() if streamer is not None else None
-    from shardlm.quant import model_bytes
-
+    tokens = generate(model, batch, n_new, SamplingParams(), ())
+    stats = model.streamer.stats.as_dict() if model.streamer is not None else None
     return (logits if rank == 0 else None), tokens, {"backend": dist.get_backend(), "comms": ctx.snapshot(),
-                                                      "stream": stats, "resident": model_bytes(model),
-                                                      "streamed": list(model.stream_plan.streamed)
-                                                      if streamer is not None else []}
+                                                      "stream": stats, "resident": model.resident_bytes(),
+                                                      "streamed": list(model.streamed)}
 
 
 def _check(folder, prompts, n_new, tp, backend="gloo"):
@@ -123,15 +119,12 @@ def test_quantized_model_on_gpu_is_as_close_to_float32_as_on_cpu(random_dirs, ki
     """Same codes on both devices, different kernels: the GPU's logits are as close to the float32
     model's as the CPU's (both run bfloat16 activations, so neither equals the other exactly)."""
     folder = random_dirs["gqa12x4"]
-    family, args = args_for_config(read_config(folder))
-    coord = shard_coord(args, 0, 1)
     batch = Batch.from_lists(_prompts(1001, [30, 11]))
     s = batch.tokens.shape[1]
     inputs = (batch.tokens, positions_for(batch.valid), attention_mask(batch.valid, 0, s, None))
     out = {}
     for device, q in (("cpu", None), ("cpu", kind), ("cuda:0", kind)):
-        model = build_rank_model(folder, family, args, coord, ParallelContext(), device=device, quantization=q,
-                                 kernels="torch")
+        model = build(folder, device=device, settings=Settings(kernels="torch"), quantization=q or "none")
         with torch.no_grad():
             out[device, q] = model(*(t.to(device) for t in inputs)).cpu()
     ref, valid = out["cpu", None], batch.valid
@@ -147,14 +140,10 @@ def test_quantized_model_on_gpu_is_as_close_to_float32_as_on_cpu(random_dirs, ki
 
 def _budget_streaming_layers(folder, quantization) -> int:
     """A GPU budget that streams every layer with prefetch (two buffers) and all but one without."""
-    from shardlm.checkpoint.reads import rank_meta_model
-    from shardlm.runtime.offload import plan_streaming
-
     family, args = args_for_config(read_config(folder))
-    model = rank_meta_model(family, args, shard_coord(args, 0, 1), None, ParallelContext())
-    plan = plan_streaming(model, 2**40, quantization, True, torch.float32, vocab_ok=False)
-    sizes = plan.layer_bytes.values()
-    return plan.outer_bytes + 2 * max(sizes) + min(sizes) // 2
+    w = shard_weights(args, family.tp_plan, 1, 0, "float32", quantization or "none")
+    fixed = stage_weight_bytes(w, 0, True, True) + args.n_layers * w.layer_fixed  # norms, biases stay resident
+    return fixed + 2 * w.layer_streamed + w.layer_streamed // 2
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -179,14 +168,14 @@ def test_layers_streamed_from_host_memory_give_the_same_tokens(random_dirs, pref
 
 def test_engine_runs_cuda_ranks_end_to_end(random_dirs):
     """LocalEngine with --device cuda: the rank processes, their GPU memory report, tokens."""
-    from shardlm.runtime.engine import LocalEngine
+    from shardlm.engine import LocalEngine
 
     folder = random_dirs["qwen2"]
-    family, args = args_for_config(read_config(folder))
     prompts = _prompts(997, [15, 7])
     _, ref_tokens = hf_logits_and_tokens(hf_model(folder), prompts, 10)
     for tp in (1, 2):
-        with LocalEngine(str(folder), family.name, args, tp=tp, device="cuda", timeout_s=300) as engine:
+        plan, source = plan_for(folder, tp=tp, device="cuda")
+        with LocalEngine(plan, source, timeout_s=300) as engine:
             result = engine.generate(prompts, 10, SamplingParams(), ignore_eos=True)
             ready = engine.ready
         assert result.token_ids == ref_tokens, f"tp {tp}"
@@ -196,14 +185,12 @@ def test_engine_runs_cuda_ranks_end_to_end(random_dirs):
 def test_sampling_draws_the_same_tokens_on_cpu_and_gpu(random_dirs):
     """Sampling runs on the host with the rows' generators, so a seed means the same tokens anywhere."""
     folder = random_dirs["gqa12x4"]
-    family, args = args_for_config(read_config(folder))
     batch = Batch.from_lists(_prompts(1001, [9, 14]))
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3)
     out = []
     for device in ("cpu", "cuda:0"):
-        model = build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(), device=device,
-                                 kernels="torch")
-        out.append(generate(model, batch, 8, params, (), args.n_kv_heads))
+        model = build(folder, device=device, settings=Settings(kernels="torch"))
+        out.append(generate(model, batch, 8, params, ()))
     assert out[0] == out[1]
 
 
@@ -212,17 +199,18 @@ def test_cuda_graph_decode_gives_the_eager_tokens(random_dirs, name):
     """Graph replays (static shapes: full-length cache under a mask) give eager decode's tokens, and a
     second call of the same shape reuses the captured graph and its cache."""
     folder = random_dirs[name]
-    family, args = args_for_config(read_config(folder))
-    model = build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(), device="cuda:0")
+    model = build(folder, device="cuda:0")
+    args = model.args
+    assert model.kernels.cuda_graphs and model.graphs is not None
     batch = Batch.from_lists(_prompts(args.vocab_size, [21, 6, 13]))
-    model.cuda_graphs = False
-    eager = generate(model, batch, 20, SamplingParams(), (), args.n_kv_heads)
-    assert "_graph_decoders" not in model.__dict__
-    model.cuda_graphs = True
-    first = generate(model, batch, 20, SamplingParams(), (), args.n_kv_heads)
-    second = generate(model, batch, 20, SamplingParams(), (), args.n_kv_heads)
+    graphs, model.graphs = model.graphs, None
+    eager = generate(model, batch, 20, SamplingParams(), ())
+    assert not graphs.kept
+    model.graphs = graphs
+    first = generate(model, batch, 20, SamplingParams(), ())
+    second = generate(model, batch, 20, SamplingParams(), ())
     assert first == eager and second == eager
-    (decoder,) = model._graph_decoders.values()
+    (decoder,) = graphs.kept.values()
     assert decoder.graph is not None and not decoder.failed
 
 

@@ -109,7 +109,7 @@ def test_tokenizer_and_chat_template(model_dir):
 def test_fast_tokenizer_matches_transformers(model_dir, special):
     from transformers import AutoTokenizer
 
-    from shardlm.runtime.text import FastTokenizer
+    from shardlm.engine.text import FastTokenizer
 
     ref, fast = AutoTokenizer.from_pretrained(str(model_dir)), FastTokenizer(model_dir)
     text = "It was the best of times, <|im_start|> it was the worst of times."

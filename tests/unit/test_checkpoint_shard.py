@@ -20,7 +20,9 @@ from shardlm.models.random import write_random_checkpoint
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.stages import StageSpec, stages_from_counts
-from shardlm.runtime.load import build_rank_model, shard_coord
+from refs import plan_for
+from shardlm.runtime.build import build_rank_model
+from shardlm.settings import Settings
 
 MB = 2**20
 # 12 heads / 4 KV heads, vocab 1001, 4 layers, untied; and a tied variant
@@ -37,16 +39,12 @@ def models(tmp_path_factory):
 
 def _rank_params(folder: Path, tp: int, counts: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
     """Every rank's parameters as the runtime loads them from `folder` (in this process)."""
-    family, args = args_for_config(read_config(folder))
-    ranges = stages_from_counts(counts)
+    plan, source = plan_for(folder, tp=tp, pp=len(counts), layers=counts if len(counts) > 1 else None)
     out = []
-    for rank in range(tp * len(counts)):
-        stage, tp_rank = divmod(rank, tp)
-        coord = shard_coord(args, tp_rank, tp)
-        spec = StageSpec.of(ranges, stage) if len(counts) > 1 else None
-        model = build_rank_model(folder, family, args, coord, ParallelContext(rank=tp_rank, world=tp), stage=spec,
-                                 rank=rank, kernels="torch")
-        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for rank in range(plan.world):
+        spec = plan.rank_spec(rank)
+        model = build_rank_model(spec, source, ParallelContext(rank=spec.tp_rank, world=tp), Settings(kernels="torch"))
+        out.append({n: p.detach().clone() for n, p in model.module.named_parameters()})
     return out
 
 

@@ -1,39 +1,67 @@
-"""The fused CPU decode step (shardlm.fused, csrc/decode.h) against the module-by-module path."""
+"""The fused CPU decode step (shardlm.kernels.fused, csrc/decode.h) against the module-by-module path."""
+
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from conftest import RANDOM_MODELS
-from shardlm import fused, kernels
-from shardlm.models.args import read_config
-from shardlm.models.registry import args_for_config
-from shardlm.parallel.context import ParallelContext
-from shardlm.runtime.load import build_rank_model, shard_coord
+from refs import build
+from shardlm.kernels import GEMV_MAX_ROWS
+from shardlm.kernels.fused import FusedDecode
 from shardlm.runtime.step import Batch, Rows
+from shardlm.settings import Settings
 
 
 def _load(folder, kernel_mode="gemv", dtype=torch.float32):
-    family, args = args_for_config(read_config(folder))
-    return build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(), dtype,
-                            kernels=kernel_mode), args
+    rank = build(folder, settings=Settings(kernels=kernel_mode), dtype=str(dtype).removeprefix("torch."))
+    return rank, rank.args
 
 
-def _decode_logits(model, args, prompts, steps, use_fused, tokens=None, dtype=torch.float32):
-    """Greedy decode of `steps` tokens; returns per-step logits (steps, b, vocab) and the tokens fed.
+class _Counted:
+    """A layer's installed decode step, counting the calls it ran fused."""
+
+    def __init__(self, step):
+        self.step, self.runs = step, 0
+
+    def __call__(self, *args):
+        out = self.step(*args)
+        self.runs += out is not None
+        return out
+
+
+@contextmanager
+def _fused(rank, use: bool):
+    """Run with the installed fused steps (counted) or without them (the module path)."""
+    layers = list(rank.module.model.layers.values())
+    saved = [layer.decode_step for layer in layers]
+    for layer, step in zip(layers, saved):
+        layer.decode_step = _Counted(step) if use and step is not None else None
+    try:
+        yield [layer.decode_step for layer in layers]
+    finally:
+        for layer, step in zip(layers, saved):
+            layer.decode_step = step
+
+
+def _decode_logits(rank, args, prompts, steps, use_fused, tokens=None, dtype=torch.float32):
+    """Greedy decode of `steps` tokens; returns per-step logits (steps, b, vocab), the tokens fed, and how
+    many block calls ran fused.
 
     With `tokens` given, those are fed instead of the argmax, so two runs see the same inputs.
     """
-    fused.ENABLED = use_fused
     batch = Batch.from_lists(prompts)
-    rows = Rows(batch, list(range(args.n_layers)), args.n_kv_heads, steps + 1, args, dtype)
-    logits = rows.forward(model, batch.tokens, rows.prefill_mask())[:, -1]  # (b, vocab)
-    out, fed = [], []
-    for i in range(steps):
-        token = logits.argmax(-1) if tokens is None else tokens[i]  # (b,)
-        fed.append(token)
-        logits = rows.forward(model, token[:, None], rows.next_token())[:, -1]
-        out.append(logits)
-    return torch.stack(out).float(), fed
+    rows = Rows.for_model(rank, batch, steps + 1)
+    with _fused(rank, use_fused) as steps_installed:
+        logits = rows.forward(rank.module, batch.tokens, rows.prefill_mask())[:, -1]  # (b, vocab)
+        out, fed = [], []
+        for i in range(steps):
+            token = logits.argmax(-1) if tokens is None else tokens[i]  # (b,)
+            fed.append(token)
+            logits = rows.forward(rank.module, token[:, None], rows.next_token())[:, -1]
+            out.append(logits)
+        runs = sum(s.runs for s in steps_installed if s is not None)
+    return torch.stack(out).float(), fed, runs
 
 
 def _prompts(vocab, lengths=(19, 7, 12)):
@@ -41,21 +69,16 @@ def _prompts(vocab, lengths=(19, 7, 12)):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(autouse=True)
-def _restore():
-    yield
-    fused.ENABLED = True
-
-
 @pytest.mark.parametrize("name", sorted(RANDOM_MODELS))
 @torch.no_grad()
 def test_fused_decode_matches_modules(name, random_dirs):
     model, args = _load(random_dirs[name])
-    assert kernels._ACTIVE is not None, "the compiled kernels should build on this machine"
+    assert model.kernels.linear == "gemv", "the compiled kernels should build on this machine"
+    assert model.kernels.fused_layers == args.n_layers
     prompts = _prompts(args.vocab_size)  # left-padded rows: masks differ per row; mistral_window slides
-    ref, fed = _decode_logits(model, args, prompts, 12, use_fused=False)
-    got, _ = _decode_logits(model, args, prompts, 12, use_fused=True, tokens=fed)
-    assert all(layer._fused_ok[torch.float32] for layer in model.model.layers.values()), "fused path not taken"
+    ref, fed, _ = _decode_logits(model, args, prompts, 12, use_fused=False)
+    got, _, runs = _decode_logits(model, args, prompts, 12, use_fused=True, tokens=fed)
+    assert runs == 12 * args.n_layers, "fused path not taken"
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
@@ -67,11 +90,11 @@ def test_fused_decode_bfloat16(name, random_dirs):
     as the module path, which rounds to bfloat16 after every op."""
     f32, args = _load(random_dirs[name])
     prompts = _prompts(args.vocab_size)
-    ref, fed = _decode_logits(f32, args, prompts, 12, use_fused=False)
+    ref, fed, _ = _decode_logits(f32, args, prompts, 12, use_fused=False)
     bf16, _ = _load(random_dirs[name], dtype=torch.bfloat16)
-    modules, _ = _decode_logits(bf16, args, prompts, 12, use_fused=False, tokens=fed, dtype=torch.bfloat16)
-    got, _ = _decode_logits(bf16, args, prompts, 12, use_fused=True, tokens=fed, dtype=torch.bfloat16)
-    assert all(layer._fused_ok[torch.bfloat16] for layer in bf16.model.layers.values()), "fused path not taken"
+    modules, _, _ = _decode_logits(bf16, args, prompts, 12, use_fused=False, tokens=fed, dtype=torch.bfloat16)
+    got, _, runs = _decode_logits(bf16, args, prompts, 12, use_fused=True, tokens=fed, dtype=torch.bfloat16)
+    assert runs == 12 * args.n_layers, "fused path not taken"
     scale = ref.abs().max()
     err_fused, err_modules = (got - ref).abs().max() / scale, (modules - ref).abs().max() / scale
     assert err_fused <= 0.05, f"fused bfloat16 is {err_fused:.3f} x max|logit| from float32"
@@ -85,11 +108,11 @@ def test_fused_decode_bfloat16_bundled(bundled_dir, prompt64):
     logit error. (Free-running greedy runs of either diverge from float32 after a few dozen tokens,
     at whichever near-tie comes first; bench/decode.py prints where.)"""
     f32, args = _load(bundled_dir)
-    ref, fed = _decode_logits(f32, args, [prompt64[:40]], 64, use_fused=True)
+    ref, fed, _ = _decode_logits(f32, args, [prompt64[:40]], 64, use_fused=True)
     bf16, _ = _load(bundled_dir, dtype=torch.bfloat16)
     stats = {}
     for use in (False, True):
-        got, _ = _decode_logits(bf16, args, [prompt64[:40]], 64, use_fused=use, tokens=fed, dtype=torch.bfloat16)
+        got, _, _ = _decode_logits(bf16, args, [prompt64[:40]], 64, use_fused=use, tokens=fed, dtype=torch.bfloat16)
         err = ((got - ref).abs().amax(-1) / ref.abs().amax(-1)).median().item()  # per step, relative
         stats[use] = (err, (got.argmax(-1) == ref.argmax(-1)).float().mean().item())
     (err_m, top_m), (err_f, top_f) = stats[False], stats[True]
@@ -102,12 +125,13 @@ def test_fused_decode_irregular_kv_map(random_dirs):
     """Query heads reading KV heads in an irregular pattern (as uneven TP splits produce)."""
     model, args = _load(random_dirs["gqa12x4"])
     kv_map = [0, 0, 1, 1, 1, 2, 3, 3, 0, 2, 2, 3]
-    for layer in model.model.layers.values():
+    for layer in model.module.model.layers.values():
         layer.self_attn.set_kv_map(kv_map)
         assert not layer.self_attn.regular_gqa
     prompts = _prompts(args.vocab_size, (9, 15))
-    ref, fed = _decode_logits(model, args, prompts, 8, use_fused=False)
-    got, _ = _decode_logits(model, args, prompts, 8, use_fused=True, tokens=fed)
+    ref, fed, _ = _decode_logits(model, args, prompts, 8, use_fused=False)
+    got, _, runs = _decode_logits(model, args, prompts, 8, use_fused=True, tokens=fed)
+    assert runs == 8 * args.n_layers
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
@@ -116,20 +140,21 @@ def test_fused_path_skipped_where_it_does_not_apply(random_dirs):
     """A dtype other than the weights', quantized and oneDNN-packed layers, and batches over
     GEMV_MAX_ROWS take the module path."""
     folder = random_dirs["gqa12x4"]
-    model, args = _load(folder, "onednn")
-    layer = model.model.layers["0"]
-    rows = Rows(Batch.from_lists([[5, 6, 7]]), list(range(args.n_layers)), args.n_kv_heads, 4, args, torch.float32)
-    rows.forward(model, torch.tensor([[5, 6, 7]]), rows.prefill_mask())
+    packed, args = _load(folder, "onednn")
+    assert packed.kernels.fused_layers == 0  # packed q/k/v: not plain, no fused step installed
+    assert all(layer.decode_step is None for layer in packed.module.model.layers.values())
+    model, args = _load(folder)
+    step = model.module.model.layers["0"].decode_step
+    assert isinstance(step, FusedDecode)
+    rows = Rows.for_model(model, Batch.from_lists([[5, 6, 7]]), 4)
+    rows.forward(model.module, torch.tensor([[5, 6, 7]]), rows.prefill_mask())
     mask = rows.next_token()
     x = torch.randn(1, 1, args.dim)
-    assert not fused.ready(layer, x, mask, rows.cache)  # packed q/k/v: kernels not active, and not plain
-    model, args = _load(folder)
-    layer = model.model.layers["0"]
-    assert fused.ready(layer, x, mask, rows.cache)
-    assert not fused.ready(layer, x.bfloat16(), mask, rows.cache)  # float32 weights, bfloat16 input
-    assert not fused.ready(layer, x.half(), mask, rows.cache)
-    assert not fused.ready(layer, torch.randn(kernels.GEMV_MAX_ROWS + 1, 1, args.dim), mask, rows.cache)
-    assert not fused.ready(layer, x, mask, None)
-    family, _ = args_for_config(read_config(folder))
-    quantized = build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(), quantization="int8")
-    assert not fused.ready(quantized.model.layers["0"], x, mask, rows.cache)
+    assert step.applies(x, mask, rows.cache)
+    assert not step.applies(x.bfloat16(), mask, rows.cache)  # float32 weights, bfloat16 input
+    assert not step.applies(x.half(), mask, rows.cache)
+    assert not step.applies(torch.randn(GEMV_MAX_ROWS + 1, 1, args.dim), mask, rows.cache)
+    assert not step.applies(x, mask, None)
+    quantized = build(folder, quantization="int8")
+    assert quantized.kernels.fused_layers == 0
+    assert quantized.module.model.layers["0"].decode_step is None

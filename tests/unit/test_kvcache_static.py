@@ -5,24 +5,23 @@ logits of the ordinary step."""
 import torch
 import torch.nn.functional as F
 
+from refs import build
 from shardlm.models.presets import PRESETS
 from shardlm.models.random import write_random_checkpoint
-from shardlm.models.registry import args_for_config
-from shardlm.parallel.context import ParallelContext
-from shardlm.runtime.load import build_rank_model, shard_coord
 from shardlm.runtime.step import Batch, Rows
+from shardlm.settings import Settings
 
 
 def test_static_slot_and_full_length_mask_give_the_ordinary_logits(tmp_path):
     config = {**PRESETS["debug"], "sliding_window": 9, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
     folder = write_random_checkpoint(config, tmp_path / "m", seed=3)
-    family, args = args_for_config(config)
-    model = build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(), kernels="torch")
+    rank = build(folder, settings=Settings(kernels="torch"))
+    model, args = rank.module, rank.args
     g = torch.Generator().manual_seed(0)
     batch = Batch.from_lists([torch.randint(3, 1001, (n,), generator=g).tolist() for n in (11, 4, 7)])
     runs = {}
     for static in (False, True):
-        rows = Rows(batch, list(range(args.n_layers)), args.n_kv_heads, 12, args, torch.float32)
+        rows = Rows.for_model(rank, batch, 12)
         with torch.no_grad():
             rows.forward(model, batch.tokens, rows.prefill_mask())
             tokens, out = torch.tensor([5, 6, 7]), []

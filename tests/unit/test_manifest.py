@@ -220,17 +220,22 @@ def test_docs_examples_parse():
         parse_manifest(text, source="docs/manifest.md")
 
 
-def test_a_gpu_plan_needs_device_cuda_and_a_cpu_plan_refuses_it():
+def test_a_plan_runs_on_its_own_device_kind_and_a_contradicting_device_is_refused():
     from dataclasses import replace
 
-    from shardlm.runtime.from_manifest import check_runnable
-    from shardlm.runtime.session import UserError
+    from shardlm.engine.checks import UserError, check_runnable, for_device
 
-    plan = replace(plan_tp3(), cluster="8xH100-80GB")
-    with pytest.raises(UserError, match="run it with --device cuda"):
-        check_runnable(plan, "m.yaml", "cpu")
-    check_runnable(plan, "m.yaml", "cuda")
-    with pytest.raises(UserError, match="drop --device cuda"):
-        check_runnable(replace(plan, cluster="2xcpu-4GB"), "m.yaml", "cuda")
+    gpu = parse_manifest(plan_to_yaml(replace(plan_tp3(), cluster="8xH100-80GB", device="cuda")))
+    assert gpu.device == "cuda" and for_device(gpu, None, "m.yaml").device == "cuda"
+    with pytest.raises(UserError, match="device: cuda.*--device cpu was given"):
+        for_device(gpu, "cpu", "m.yaml")
+    cpu = replace(plan_tp3(), cluster="2xcpu-4GB")
+    with pytest.raises(UserError, match="--device cuda was given"):
+        for_device(cpu, "cuda", "m.yaml")
     for device in ("cpu", "cuda"):  # "local": whatever the planning machine had; --device decides
-        check_runnable(replace(plan, cluster="local"), "m.yaml", device)
+        assert for_device(replace(plan_tp3(), cluster="local"), device, "m.yaml").device == device
+    old = parse_manifest(re.sub(r"^device: .*\n", "", plan_to_yaml(replace(plan_tp3(), cluster="8xH100-80GB")),
+                                flags=re.M))
+    assert old.device == "cuda"  # a manifest without `device` takes it from its cluster
+    with pytest.raises(UserError, match="offload.tier: cpu"):
+        check_runnable(replace(cpu, offload=Offload("cpu", (1,))), "m.yaml")

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from shardlm.models.args import read_config
-from shardlm.models.registry import args_for_config
-from shardlm.parallel.context import ParallelContext
+from refs import build, plan_for
 from shardlm.parallel.stages import StageSpec, auto_micro_batches, even_stages, micro_batch_rows, stages_from_counts
-from shardlm.runtime.load import build_rank_model, shard_coord
+from shardlm.runtime.build import build_rank_model
+from shardlm.parallel.context import ParallelContext
 from shardlm.runtime.step import Batch, Outputs, attention_mask, positions_for
 
 
@@ -40,18 +39,17 @@ def test_outputs_stop_at_eos_and_the_token_limit():
 @pytest.mark.parametrize("name,counts", [("qwen2", (1, 1)), ("gqa12x4", (1, 2)), ("gqa12x4", (1, 1, 1))])
 def test_chained_stages_equal_the_whole_model(random_dirs, name, counts):
     folder = random_dirs[name]
-    family, args = args_for_config(read_config(folder))
-    coord, ctx = shard_coord(args, 0, 1), ParallelContext()
-    whole = build_rank_model(folder, family, args, coord, ctx)
-    ranges = stages_from_counts(counts)
-    stages = [build_rank_model(folder, family, args, coord, ctx, stage=StageSpec.of(ranges, i))
-              for i in range(len(ranges))]
+    whole = build(folder)
+    args = whole.args
+    plan, source = plan_for(folder, pp=len(counts), layers=counts)
+    assert plan.layout.stage_layers == stages_from_counts(counts)
+    stages = [build_rank_model(plan.rank_spec(i), source, ParallelContext()) for i in range(len(counts))]
     batch = Batch.from_lists([[5, 9, 11, 3, 8], [7, 4]])
     pos, mask = positions_for(batch.valid), attention_mask(batch.valid, 0, 5, args.sliding_window)
     x = batch.tokens
     for stage in stages:
         x = stage(x, pos, mask)
     assert torch.equal(x, whole(batch.tokens, pos, mask))
-    held = [sum(p.numel() for p in s.parameters()) for s in stages]
+    held = [sum(p.numel() for p in s.module.parameters()) for s in stages]
     tied_head = args.vocab_size * args.dim if args.tie_embeddings else 0
-    assert sum(held) == sum(p.numel() for p in whole.parameters()) + tied_head  # each stage holds only its part
+    assert sum(held) == sum(p.numel() for p in whole.module.parameters()) + tied_head  # each stage only its part

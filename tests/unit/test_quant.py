@@ -11,9 +11,10 @@ from shardlm.models.random import write_random_checkpoint
 from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
 from shardlm.quant_spec import QuantizationError, check_kind
-from shardlm.quant import (INT4_GROUP, Int4Weight, model_bytes, quantize_int4,
+from shardlm.quant import (INT4_GROUP, Int4Weight, quantize_int4,
                            quantize_int8)
-from shardlm.runtime.load import build_rank_model, shard_coord
+from refs import build
+from shardlm.settings import Settings
 from shardlm.runtime.step import attention_mask, positions_for
 
 
@@ -79,17 +80,17 @@ def debug_model(tmp_path_factory):
 
 @pytest.mark.parametrize("kind,ratio,min_cos", [("int8", 0.35, 0.995), ("int4", 0.3, 0.95)])
 def test_quantized_model_is_smaller_and_close_to_float(debug_model, kind, ratio, min_cos):
-    family, args = args_for_config(read_config(debug_model))
-    build = lambda q: build_rank_model(debug_model, family, args, shard_coord(args, 0, 1), ParallelContext(),  # noqa: E731
-                                       quantization=q, kernels="torch")
-    ref, quant = build(None), build(kind)
+    load = lambda q: build(debug_model, settings=Settings(kernels="torch"), quantization=q)  # noqa: E731
+    ref, quant = load("none"), load(kind)
+    args = ref.args
     ids = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     valid = torch.ones_like(ids, dtype=torch.bool)
     mask = attention_mask(valid, 0, 12, None)
     a, b = ref(ids, positions_for(valid), mask), quant(ids, positions_for(valid), mask)
     cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
     assert cos > min_cos, float(cos)  # random N(0, 0.05) weights: int4 rounding noise is ~9% per weight
-    linear = sum(p.numel() for n, p in ref.named_parameters() if n.endswith("_proj.weight") or n == "lm_head.weight")
-    saved = model_bytes(ref) - model_bytes(quant)
+    linear = sum(p.numel() for n, p in ref.module.named_parameters()
+                 if n.endswith("_proj.weight") or n == "lm_head.weight")
+    saved = ref.resident_bytes() - quant.resident_bytes()
     assert saved > linear * 4 * (1 - ratio), (saved, linear)
-    assert not any(n.endswith("_proj.weight") for n, _ in quant.named_parameters())
+    assert not any(n.endswith("_proj.weight") for n, _ in quant.module.named_parameters())

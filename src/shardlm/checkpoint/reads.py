@@ -1,6 +1,6 @@
 """Which slice of which checkpoint tensor each parameter of one rank's model comes from.
 
-The loader (runtime/load.py) and the sharder (checkpoint/shard.py) both call `param_reads` on the
+The loader (runtime/build.py) and the sharder (checkpoint/shard.py) both call `param_reads` on the
 same meta model (`rank_meta_model`), so per-rank files hold exactly what a rank would slice out of
 the ordinary checkpoint, and a rank loading them gets bitwise the same parameters.
 """

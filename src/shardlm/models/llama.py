@@ -9,14 +9,20 @@ query head (a plain GQA grouping on one device, an irregular one under uneven TP
 from __future__ import annotations
 
 import math
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm import fused
 from shardlm.models.args import ModelArgs
-from shardlm.runtime.kvcache import KVCache
+
+
+class Cache(Protocol):
+    """What a layer needs of a KV cache (the runtime's KVCache is one)."""
+
+    def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's keys and values (b, h, s, hd); return every filled slot (b, h, t, hd)."""
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -91,7 +97,7 @@ class Attention(nn.Module):
         self.regular_gqa = hq % hkv == 0 and kv_map == [h // (hq // hkv) for h in range(hq)]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None) -> torch.Tensor:
+                cache: Cache | None) -> torch.Tensor:
         """x (b, s, dim) -> (b, s, dim); mask (b, 1, s, t) is True where a key may be attended."""
         b, s, _ = x.shape
         hd = self.head_dim
@@ -137,6 +143,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
 
+    decode_step: Callable | None = None
+    """A whole-block step the runtime may install from outside (the fused CPU decode kernel): called as
+    decode_step(layer, x, cos, sin, mask, cache), it returns the block's output, or None when it does not
+    apply to this call (the block then runs module by module)."""
+
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.self_attn = Attention(args, layer_id)
@@ -145,9 +156,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x, cos, sin, mask, cache):
-        """One block; shapes as in `Attention.forward`. A CPU decode step may run fused (shardlm.fused)."""
-        if fused.ready(self, x, mask, cache):
-            return fused.decode_layer(self, x, cos, sin, mask, cache)
+        """One block; shapes as in `Attention.forward`."""
+        if self.decode_step is not None:
+            out = self.decode_step(self, x, cos, sin, mask, cache)
+            if out is not None:
+                return out
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -182,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+                cache: Cache | None = None, last_only: bool = False) -> torch.Tensor:
         """Run the layers this model (or pipeline stage) holds.
 
         inputs: token ids (b, s) when it holds the embedding, else hidden states (b, s, dim) from the

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.kernels import local_linear
+from shardlm.kernels.linear import LinearOps, local_linear
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.split import split_range, split_sizes
 from shardlm.parallel.styles import (Colwise, ColwiseHeads, Rowwise, RowwiseHeads, ShardCoord, Style, VocabEmbedding,
@@ -22,7 +22,7 @@ def _linear(in_f: int, out_f: int, bias: bool) -> nn.Linear:
         return nn.Linear(in_f, out_f, bias=bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearOps, nn.Module):
     """Y = sum_r X_r W_r^T + b: each rank multiplies its input columns, one all-reduce sums them.
 
     The input X arrives already split by column (the output of a column-parallel layer), so
@@ -69,10 +69,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.ctx.all_reduce(out)
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(LinearOps, nn.Module):
     """LM head whose output rows (vocabulary) are split; an all-gather joins the logit columns."""
-
-    packable = True
 
     def __init__(self, start: int, stop: int, dim: int, sizes: list[int], ctx: ParallelContext):
         super().__init__()

@@ -23,11 +23,11 @@ def load_model(model: str):
 
 def load_devices(devices: str | None, cluster_file: str | None) -> tuple[hardware.Cluster, str]:
     """Cluster from a shorthand, a cluster YAML, or this machine; and how it was named."""
-    if devices and cluster_file:
+    if devices is not None and cluster_file is not None:
         raise PlanError("give either --devices or --cluster, not both")
-    if cluster_file:
+    if cluster_file is not None:
         return hardware.load_cluster(cluster_file), str(cluster_file)
-    if devices:
+    if devices is not None:
         return hardware.parse_devices(devices), devices
     return hardware.detect_local(hardware.read_calibration()), "local"
 
@@ -98,5 +98,5 @@ def repredict(plan: Plan) -> Plan:
 
 def default_kv(max_batch: int, max_seq_len: int | None, args) -> KVBudget:
     """KV budget from the flags (max_seq_len defaults to min(model positions, 4096))."""
-    seq = max_seq_len or min(args.max_seq_len, 4096)
+    seq = min(args.max_seq_len, 4096) if max_seq_len is None else max_seq_len
     return KVBudget(max_batch, seq, min(seq, 2048))

@@ -50,6 +50,14 @@ class ShardWeights:
     """Parameters of the LM head slice on this rank."""
     experts: int = 0
     """Bytes of `layer` that are mixture-of-experts weights (read only for experts a token is routed to)."""
+    layer_fixed: int = 0
+    """Bytes of `layer` that are not linear weights (norms, biases, a router): they stay resident when
+    the layer streams in from an offload tier."""
+
+    @property
+    def layer_streamed(self) -> int:
+        """Bytes of one layer that stream in when it is offloaded (its linear weights)."""
+        return self.layer - self.layer_fixed
 
 
 def _sliced(t: TensorInfo, plan: dict[str, Style], coord: ShardCoord) -> tuple[int, ...]:
@@ -84,6 +92,7 @@ def shard_weights(args: ModelArgs, plan: dict[str, Style], tp: int, tp_rank: int
         + _active_expert_params(args, layer, shapes),
         head_params=math.prod(head_shape),
         experts=sum(_slice_bytes(t, plan, coord, dtype, quant) for t in layer if t.part == "experts"),
+        layer_fixed=sum(_slice_bytes(t, plan, coord, dtype, quant) for t in layer if not t.linear),
     )
 
 

@@ -278,6 +278,15 @@ class RankSpec:
     last: int
     """Rank of the last stage with the same tp rank."""
 
+    @classmethod
+    def single(cls, n_layers: int, dtype: str = "float32", quantization: str = "none", device: str = "cpu",
+               kv: KVBudget = KVBudget(1, 4096, 2048)) -> "RankSpec":
+        """The spec of a one-rank run of a whole model (perplexity scoring, calibration, tests)."""
+        return cls(rank=0, world=1, replica=0, stage=0, tp_rank=0, tp=1, pp=1, layers=(0, n_layers), address="0:0",
+                   device=device, dtype=dtype, quantization=quantization,
+                   offload=RankOffload("none", 0, False, None, True), kv=kv, micro_batches=0, tp_groups=((0,),),
+                   prev=None, next=None, first=0, last=0)
+
     @property
     def first_stage(self) -> bool:
         """Holds the embedding (takes token ids)."""

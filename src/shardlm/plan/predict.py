@@ -87,7 +87,7 @@ def _rank_memory(st: Setting, layout: ParallelLayout, c, w: mem.ShardWeights, de
     act = mem.activation_bytes(st.args, layout.tp, c.tp_rank, st.kv.max_batch, st.kv.prefill_chunk,
                                st.kv.prefill_chunk, st.dtype, last)
     return RankMemory(c.rank, c.device, dev.spec.name, weights, kv, act, dev.spec.runtime_bytes,
-                      dev.spec.memory_bytes, off * w.layer)
+                      dev.spec.memory_bytes, off * w.layer_streamed)
 
 
 def _rate(dev: Device, active: int, cluster: Cluster, eager: bool = False) -> Rate:
@@ -149,7 +149,7 @@ def _work(st: Setting, layout: ParallelLayout, stage: int, tp_rank: int, w: mem.
     flops = 2 * t * (n * w.layer_params + (w.head_params if last else 0)) + 4 * t * n * (q1 - q0) * a.head_dim * context
     reduces = 2 * n + (1 if first and layout.tp > 1 else 0)  # one after attention, one after the MLP; embedding
     return StageWork(weights, kv, flops, n, reduces, t * a.dim * e, batch * a.vocab_size * 4 if last else 0,
-                     _offloaded(st, stage) * w.layer)
+                     _offloaded(st, stage) * w.layer_streamed)
 
 
 def _expert_read_fraction(a: ModelArgs, tokens: int) -> float:

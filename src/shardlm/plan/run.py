@@ -18,6 +18,7 @@ from shardlm import hardware
 from shardlm.models.args import ModelArgs
 from shardlm.models.registry import Family
 from shardlm.parallel.split import split_sizes
+from shardlm.parallel.stages import stages_from_counts
 from shardlm.plan.memory import shard_weights
 from shardlm.plan.plan import KVBudget, ModelRef, Offload, Plan, PlanError
 from shardlm.plan.search import HEADROOM, Request, fixed_candidate
@@ -147,13 +148,34 @@ def plan_for_run(ref: ModelRef, family: Family, args: ModelArgs, flags: RunFlags
         raise PlanError(str(e)) from e
     req = Request(ref, args, family.tp_plan, cluster, cluster.description if flags.device == "cpu" else "local",
                   flags.dtype, flags.quantization, "latency", kv, tp, pp, counts, micro_batches=flags.micro_batches or 0)
-    stages = tuple((sum(counts[:s]), sum(counts[:s + 1])) for s in range(pp))
+    stages = stages_from_counts(counts)
     cand = fixed_candidate(req, budget_offload(flags, family, args, stages))
     if cand is None:  # local_cluster gives exactly tp x pp slots
         raise PlanError(f"no layout of tp {tp} x pp {pp} on {cluster.describe()}")
     plan = replace(cand.plan, device=flags.device)
     check_fits(plan)
     return plan
+
+
+def check_local_fit(plan: Plan, ref: ModelRef, family: Family, args: ModelArgs, kv: KVBudget,
+                    calibration: dict | None = None) -> None:
+    """Raise PlanError when `plan` (a manifest, made for its own cluster) would not fit this machine as it
+    runs here: its layout and offload predicted on this machine's rank slots for a batch of `kv`."""
+    lay = plan.layout
+    try:
+        cluster = hardware.local_cluster(plan.device, lay.tp * lay.pp, calibration)
+    except hardware.HardwareError as e:
+        if plan.device != "cuda":
+            raise PlanError(str(e)) from e
+        raise PlanError("the plan places its ranks on GPUs (device: cuda) but torch sees no CUDA device here (a CPU "
+                        "build of torch, or no driver); run it where the GPUs are, or plan for this machine's CPU "
+                        "ranks (e.g. shardlm plan MODEL --devices 2xcpu-4GB)") from e
+    counts = tuple(b - a for a, b in lay.stage_layers)
+    req = Request(ref, args, family.tp_plan, cluster, cluster.description, plan.dtype, plan.quantization, "latency",
+                  kv, lay.tp, lay.pp, counts, micro_batches=plan.micro_batches)
+    cand = fixed_candidate(req, plan.offload)
+    if cand is not None:
+        check_fits(replace(cand.plan, device=plan.device))
 
 
 def check_fits(plan: Plan) -> None:

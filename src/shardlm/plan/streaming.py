@@ -57,9 +57,9 @@ def resident_bytes(w: ShardWeights, n_layers: int, first: bool, last: bool, stre
                    buffers: int, quantized: bool) -> int:
     """Weight bytes a rank holds when its stage's last `streamed` of `n_layers` layers stream through
     `buffers` read buffers, and (`vocab`) its float vocabulary tensors are used in place."""
-    total = stage_weight_bytes(w, n_layers - streamed, first, last)
+    total = stage_weight_bytes(w, n_layers - streamed, first, last) + streamed * w.layer_fixed
     if streamed:
-        total += min(buffers, streamed) * w.layer
+        total += min(buffers, streamed) * w.layer_streamed
     if vocab:
         sizes = vocab_bytes(w, first, last, quantized)
         total += vocab_chunk(max(sizes, default=1)) - sum(sizes)
@@ -75,7 +75,7 @@ def fit_budget(w: ShardWeights, n_layers: int, first: bool, last: bool, budget: 
         return StreamFit(0, False, stage_weight_bytes(w, n_layers, first, last))
     vocab = False
     minimum = resident_bytes(w, n_layers, first, last, n_layers, False, buffers, quantized)
-    minimum += (buffers - min(buffers, n_layers)) * w.layer  # read buffers are allocated whole
+    minimum += (buffers - min(buffers, n_layers)) * w.layer_streamed  # read buffers are allocated whole
     sizes = vocab_bytes(w, first, last, quantized)
     if budget < minimum and sizes and vocab_ok:
         vocab = True
@@ -84,9 +84,10 @@ def fit_budget(w: ShardWeights, n_layers: int, first: bool, last: bool, budget: 
         kept = "norms + a vocabulary chunk" if vocab else "embedding/norm/head"
         raise BudgetError(
             f"--memory-budget {budget / MiB:.1f}MB is below the {minimum / MiB:.1f} MiB this rank needs at least: "
-            f"{(minimum - buffers * w.layer) / MiB:.1f} MiB {kept} kept in memory + {buffers} read buffer(s) of a "
-            f"layer ({w.layer / MiB:.1f} MiB); use --memory-budget {-(-minimum // MiB)}MB or more, add ranks "
+            f"{(minimum - buffers * w.layer_streamed) / MiB:.1f} MiB {kept} and norms kept in memory + {buffers} "
+            f"read buffer(s) of a layer ({w.layer_streamed / MiB:.1f} MiB); use --memory-budget "
+            f"{-(-minimum // MiB)}MB or more, add ranks "
             "(--tp/--pp), or quantize (--quantization int8|int4)")
-    resident_layers = min(n_layers, (budget - minimum) // max(w.layer, 1))
+    resident_layers = min(n_layers, (budget - minimum) // max(w.layer_streamed, 1))
     streamed = n_layers - resident_layers
     return StreamFit(streamed, vocab, resident_bytes(w, n_layers, first, last, streamed, vocab, buffers, quantized))

@@ -15,14 +15,14 @@ cache length (rounded up to BUCKET slots) reuse it with its cache; each model ke
 such shapes. The logits come out in a fixed buffer.
 
 Used for one-GPU ranks (no collectives between processes, whose host-side bookkeeping a replay
-would skip) without streamed layers (their hooks move weights between steps). SHARDLM_CUDA_GRAPHS=0
-or `model.cuda_graphs = False` turns it off; a capture that fails falls back to eager decode.
+would skip) without streamed layers (their hooks move weights between steps): the rank builder
+decides that once (`build.choose_kernels`; SHARDLM_CUDA_GRAPHS=0 turns it off) and gives the
+RankModel a `GraphDecoders`. A capture that fails falls back to eager decode.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 
 import torch
@@ -34,37 +34,32 @@ from shardlm.runtime.kvcache import KVCache
 log = logging.getLogger(__name__)
 
 
-def eligible(model: nn.Module, device: torch.device) -> bool:
-    """Whether `model`'s decode steps may run as graph replays on `device`."""
-    if device.type != "cuda" or os.environ.get("SHARDLM_CUDA_GRAPHS", "1") == "0":
-        return False
-    if not model.__dict__.get("cuda_graphs", True) or model.__dict__.get("streamer") is not None:
-        return False
-    return all(getattr(getattr(m, "ctx", None), "world", 1) == 1 for m in model.modules())
-
-
 KEEP = 4
 """Captured graphs (with their KV caches) kept per model, most recently used first."""
 BUCKET = 256
 """Cache lengths are rounded up to a multiple of this, so requests of similar length share a graph."""
 
 
-def decoder_for(model: nn.Module, device: torch.device, layer_ids: list[int], batch: int, kv_heads: int,
-                length: int, head_dim: int, dtype: torch.dtype) -> "GraphDecoder | None":
-    """The GraphDecoder for this cache shape (None when not eligible): the one captured earlier for
-    the same batch and bucketed length, with its cache, or a new one with a new cache."""
-    if not eligible(model, device):
-        return None
-    kept = model.__dict__.setdefault("_graph_decoders", OrderedDict())
-    length = -(-length // BUCKET) * BUCKET
-    key = (batch, kv_heads, length, head_dim, dtype, tuple(layer_ids))
-    dec = kept.pop(key, None)
-    if dec is None:
-        while len(kept) >= KEEP:  # free the least recently used before allocating another cache
-            kept.popitem(last=False)
-        dec = GraphDecoder(model, KVCache(layer_ids, batch, kv_heads, length, head_dim, dtype, device))
-    kept[key] = dec
-    return None if dec.failed else dec
+class GraphDecoders:
+    """The captured decode steps of one rank's model, by cache shape, most recently used last."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.kept: OrderedDict[tuple, GraphDecoder] = OrderedDict()
+
+    def decoder(self, layer_ids: list[int], batch: int, kv_heads: int, length: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device) -> "GraphDecoder | None":
+        """The GraphDecoder for this cache shape: the one captured earlier for the same batch and bucketed
+        length, with its cache, or a new one with a new cache; None when capturing it failed before."""
+        length = -(-length // BUCKET) * BUCKET
+        key = (batch, kv_heads, length, head_dim, dtype, tuple(layer_ids))
+        dec = self.kept.pop(key, None)
+        if dec is None:
+            while len(self.kept) >= KEEP:  # free the least recently used before allocating another cache
+                self.kept.popitem(last=False)
+            dec = GraphDecoder(self.model, KVCache(layer_ids, batch, kv_heads, length, head_dim, dtype, device))
+        self.kept[key] = dec
+        return None if dec.failed else dec
 
 
 class GraphDecoder:

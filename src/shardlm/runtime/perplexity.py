@@ -16,8 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shardlm.models.source import ModelSource
 from shardlm.parallel.context import ParallelContext
-from shardlm.runtime.load import build_rank_model, shard_coord
+from shardlm.plan.plan import RankSpec
+from shardlm.runtime.build import build_rank_model
+from shardlm.settings import Settings
 from shardlm.runtime.step import attention_mask, model_device, positions_for
 
 
@@ -58,17 +61,15 @@ def score(model, ids: list[int], window: int, max_seq_len: int) -> tuple[float, 
     return total, count, n
 
 
-def perplexity(folder: Path, family, args, text: str, tokenizer, dtype: str = "float32",
-               quantization: str | None = None, window: int = 512, device: str = "cpu") -> PerplexityResult:
-    """Perplexity of the model in `folder` (loaded on one rank on `device`) on `text`."""
-    from shardlm.quant import model_bytes
-
+def perplexity(source: ModelSource, text: str, tokenizer, dtype: str = "float32", quantization: str | None = None,
+               window: int = 512, device: str = "cpu", settings: Settings | None = None) -> PerplexityResult:
+    """Perplexity of the model in `source` (loaded on one rank on `device`) on `text`."""
     t0 = time.perf_counter()
-    model = build_rank_model(folder, family, args, shard_coord(args, 0, 1), ParallelContext(),
-                             getattr(torch, dtype), device, quantization=quantization)
+    spec = RankSpec.single(source.args.n_layers, dtype, quantization or "none", "cuda" if device != "cpu" else "cpu")
+    rank = build_rank_model(spec, source, ParallelContext(), settings, device)
     ids = tokenizer(text)["input_ids"]
     if len(ids) < 2:
         raise ValueError(f"the text has {len(ids)} token(s); perplexity needs at least 2")
-    total, count, n = score(model, ids, window, args.max_seq_len)
+    total, count, n = score(rank.module, ids, window, source.args.max_seq_len)
     mean = total / count
-    return PerplexityResult(math.exp(mean), mean, count, n, time.perf_counter() - t0, model_bytes(model))
+    return PerplexityResult(math.exp(mean), mean, count, n, time.perf_counter() - t0, rank.resident_bytes())

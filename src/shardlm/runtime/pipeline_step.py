@@ -23,27 +23,24 @@ from torch import nn
 
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.stages import micro_batch_rows
-from shardlm.runtime.messages import SamplingParams
+from shardlm.runtime.protocol import SamplingParams
+from shardlm.runtime.rank_model import RankModel
 from shardlm.runtime.sampling import row_generators
 from shardlm.runtime.step import Batch, GenerationStats, Outputs, Rows, attention_mask, model_device, pick, positions_for
 
 PREFILL, DECODE, STOP = 0, 1, 2
 
 
-def _rows_of(batch: Batch, m: int, model: nn.Module, kv_heads: int, max_new_tokens: int) -> list[tuple[int, Rows]]:
-    args = model.args
-    dtype = next(model.parameters()).dtype
-    layer_ids = [int(k) for k in model.model.layers.keys()]
+def _rows_of(batch: Batch, m: int, rank: RankModel, max_new_tokens: int) -> list[tuple[int, Rows]]:
     out = []
     for a, b in micro_batch_rows(batch.tokens.shape[0], m):
-        part = Batch(batch.tokens[a:b], batch.valid[a:b])
-        out.append((a, Rows(part, layer_ids, kv_heads, max_new_tokens, args, dtype, model_device(model))))
+        out.append((a, Rows.for_model(rank, Batch(batch.tokens[a:b], batch.valid[a:b]), max_new_tokens)))
     return out
 
 
 @torch.inference_mode()
-def pipeline_generate(model: nn.Module, ctx: ParallelContext, batch: Batch, max_new_tokens: int,
-                      params: SamplingParams, eos_ids: tuple[int, ...], kv_heads: int, micro_batches: int,
+def pipeline_generate(rank: RankModel, ctx: ParallelContext, batch: Batch, max_new_tokens: int,
+                      params: SamplingParams, eos_ids: tuple[int, ...], micro_batches: int,
                       on_token=None, stats: GenerationStats | None = None) -> list[list[int]] | None:
     """Run this rank's stage of a pipelined generate; returns the tokens on the first and last stage, else None.
 
@@ -51,7 +48,8 @@ def pipeline_generate(model: nn.Module, ctx: ParallelContext, batch: Batch, max_
     first stage as each micro-batch's tokens come back (-1 for rows not in it or finished).
     """
     stats = stats if stats is not None else GenerationStats()
-    parts = _rows_of(batch, micro_batches, model, kv_heads, max_new_tokens)
+    parts = _rows_of(batch, micro_batches, rank, max_new_tokens)
+    model = rank.module
     pipe = ctx.pipe
     try:
         if pipe.is_first:

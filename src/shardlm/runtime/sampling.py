@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlm.runtime.messages import SamplingParams
+from shardlm.runtime.protocol import SamplingParams
 
 
 def row_generators(seed: int, rows: int) -> list[torch.Generator]:

@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shardlm.runtime.cuda_graph import decoder_for
 from shardlm.runtime.kvcache import KVCache
-from shardlm.runtime.messages import SamplingParams
+from shardlm.runtime.protocol import SamplingParams
+from shardlm.runtime.rank_model import RankModel
 from shardlm.runtime.sampling import row_generators, sample
 
 
@@ -97,15 +97,19 @@ class Rows:
     A whole batch in the plain path; one micro-batch on one stage in the pipelined path.
     """
 
-    def __init__(self, batch: Batch, layer_ids: list[int], kv_heads: int, max_new_tokens: int, args, dtype,
-                 device: torch.device | str = "cpu", cache: KVCache | None = None):
-        b, s = batch.tokens.shape
+    def __init__(self, batch: Batch, cache: KVCache, window: int | None, device: torch.device | str = "cpu"):
         self.valid = batch.valid  # (b, t): which cache slots hold real tokens
         self.positions = positions_for(batch.valid)  # (b, s) positions of the tokens about to run
-        self.window = args.sliding_window
+        self.window = window
         self.device = torch.device(device)
-        # `cache`: an existing one at least s + max_new_tokens long (a CUDA graph's), else a new one
-        self.cache = cache or KVCache(layer_ids, b, kv_heads, s + max_new_tokens, args.head_dim, dtype, self.device)
+        self.cache = cache
+        """At least prompt + new tokens long (a CUDA graph decoder's own, or a new one)."""
+
+    @classmethod
+    def for_model(cls, rank: RankModel, batch: Batch, max_new_tokens: int) -> "Rows":
+        """Rows of `batch` on `rank` with a new cache for the prompt plus `max_new_tokens`."""
+        b, s = batch.tokens.shape
+        return cls(batch, rank.new_cache(b, s + max_new_tokens), rank.args.sliding_window, rank.device)
 
     def prefill_mask(self) -> torch.Tensor:
         """Mask (b, 1, s, s) of the prompt pass."""
@@ -159,8 +163,8 @@ class Outputs:
 
 
 @torch.inference_mode()
-def generate(model: nn.Module, batch: Batch, max_new_tokens: int, params: SamplingParams,
-             eos_ids: tuple[int, ...], kv_heads: int, on_token: Callable[[list[int]], None] | None = None,
+def generate(rank: RankModel, batch: Batch, max_new_tokens: int, params: SamplingParams,
+             eos_ids: tuple[int, ...], on_token: Callable[[list[int]], None] | None = None,
              stats: GenerationStats | None = None) -> list[list[int]]:
     """Generate up to `max_new_tokens` per prompt; returns the new token ids (eos included, then stop).
 
@@ -169,14 +173,13 @@ def generate(model: nn.Module, batch: Batch, max_new_tokens: int, params: Sampli
     and their extra tokens are dropped.
     """
     stats = stats if stats is not None else GenerationStats()
-    args = model.args
-    b = batch.tokens.shape[0]
-    dtype = next(model.parameters()).dtype
-    device, layer_ids = model_device(model), list(range(args.n_layers))
+    model, args, device = rank.module, rank.args, rank.device
+    b, s = batch.tokens.shape
     # decode steps as CUDA graph replays on one GPU: the graph's decoder owns the cache
-    graph = decoder_for(model, device, layer_ids, b, kv_heads, batch.tokens.shape[1] + max_new_tokens,
-                        args.head_dim, dtype)
-    rows = Rows(batch, layer_ids, kv_heads, max_new_tokens, args, dtype, device, graph.cache if graph else None)
+    graph = rank.graphs.decoder(rank.layer_ids, b, rank.kv_heads, s + max_new_tokens, args.head_dim, rank.dtype,
+                                device) if rank.graphs is not None else None
+    rows = Rows(batch, graph.cache, args.sliding_window, device) if graph is not None else \
+        Rows.for_model(rank, batch, max_new_tokens)
     if graph is not None:
         graph.bind(rows)
     gens = row_generators(params.seed, b)

@@ -11,6 +11,7 @@ that they agree.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import resource
 import signal
@@ -19,24 +20,26 @@ import time
 import traceback
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 
+from shardlm import logs
 from shardlm.checkpoint.headers import CheckpointError
-from shardlm.models.args import ModelArgs, ModelConfigError
-from shardlm.models.registry import FAMILIES
-from shardlm.parallel.context import ParallelContext
-from shardlm.parallel.stages import StageSpec
+from shardlm.models.args import ModelConfigError
+from shardlm.parallel.context import ParallelContext, PipePeers
 from shardlm.parallel.launch import DeviceError, join_group, pick_backend, rank_device
 from shardlm.parallel.pipeline import pipeline_context
-from shardlm.quant import model_bytes
 from shardlm.quant_spec import QuantizationError
-from shardlm.runtime.load import build_rank_model, shard_coord
-from shardlm.runtime.messages import Request, WorkerConfig
+from shardlm.runtime.build import build_rank_model
 from shardlm.runtime.offload import OffloadError
 from shardlm.runtime.pipeline_step import pipeline_generate
+from shardlm.runtime.protocol import RankLaunch, Request
+from shardlm.runtime.rank_model import RankModel
 from shardlm.runtime.step import Batch, GenerationStats, generate
+
+log = logging.getLogger(__name__)
+USER_ERRORS = (CheckpointError, ModelConfigError, QuantizationError, OffloadError, DeviceError)
+"""Failures that are bad input (reported in one line), not crashes."""
 
 
 def _die_with_parent() -> None:
@@ -78,17 +81,19 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rank_main(cfg: WorkerConfig, requests, results, listener=None) -> None:
+def rank_main(launch: RankLaunch, requests, results, listener=None) -> None:
     """Entry point of a rank process; reports errors with their traceback instead of raising."""
     _die_with_parent()
     _steady_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and stops every rank
+    spec = launch.spec
+    logs.setup(launch.settings.log_level, logs.rank_label(spec.rank, spec.stage, spec.tp_rank))
     code = 0
     try:
-        _serve(cfg, requests, results, listener)
+        _serve(launch, requests, results, listener)
     except BaseException as e:  # noqa: BLE001 - report every failure to the driver, then exit non-zero
-        user_error = isinstance(e, (CheckpointError, ModelConfigError, QuantizationError, OffloadError, DeviceError))
-        results.put(("error", cfg.rank, f"{type(e).__name__}: {e}", traceback.format_exc(), user_error))
+        results.put(("error", spec.rank, f"{type(e).__name__}: {e}", traceback.format_exc(),
+                     isinstance(e, USER_ERRORS)))
         code = 1
     results.close()
     results.join_thread()  # flush the last messages before exiting
@@ -100,18 +105,21 @@ def rank_main(cfg: WorkerConfig, requests, results, listener=None) -> None:
     os._exit(code)
 
 
-def _setup(cfg: WorkerConfig, listener) -> tuple[ParallelContext, str]:
+def _setup(launch: RankLaunch, listener) -> tuple[ParallelContext, str]:
     """Join the group on this rank's device; returns the context and the device ("cpu" or "cuda:i")."""
-    torch.set_num_threads(cfg.threads)
-    gpus = torch.cuda.device_count() if cfg.device == "cuda" else 0
-    device = rank_device(cfg.device, cfg.rank, gpus)
-    backend = pick_backend(cfg.device, cfg.world, gpus)
+    spec = launch.spec
+    torch.set_num_threads(launch.threads)
+    gpus = torch.cuda.device_count() if spec.device == "cuda" else 0
+    device = rank_device(spec.device, spec.rank, gpus)
+    backend = pick_backend(spec.device, spec.world, gpus)
     if device != "cpu":
         torch.cuda.set_device(device)
-    join_group(cfg.rank, cfg.world, cfg.port, listener, cfg.timeout_s, backend)
+    join_group(spec.rank, spec.world, launch.port, listener, launch.timeout_s, backend)
+    pipe = PipePeers(spec.stage, spec.pp, spec.prev, spec.next, spec.first, spec.last) if spec.pp > 1 else None
     # the shared-memory transport serves host tensors: with gloo, CUDA ranks stage through it too
-    ctx = pipeline_context(cfg.rank, cfg.tp or cfg.world, cfg.pp, cfg.shm_bytes if backend == "gloo" else 0,
-                           cfg.timeout_s, nccl=backend == "nccl")
+    ctx = pipeline_context(spec.rank, spec.tp_groups, pipe, launch.shm_bytes if backend == "gloo" else 0,
+                           launch.timeout_s, nccl=backend == "nccl")
+    log.info("joined %d ranks on %s (%s)", spec.world, device, backend)
     return ctx, device
 
 
@@ -120,69 +128,67 @@ def peak_gpu_bytes(device: str) -> int | None:
     return int(torch.cuda.max_memory_allocated(device)) if device.startswith("cuda") else None
 
 
-def _serve(cfg: WorkerConfig, requests, results, listener) -> None:
-    t0 = time.perf_counter()
-    ctx, device = _setup(cfg, listener)
-    rss_before = psutil.Process().memory_info().rss
-    family = FAMILIES[cfg.family]
-    args = ModelArgs.from_dict(cfg.args)
-    coord = shard_coord(args, ctx.rank, ctx.world)
-    stage = StageSpec.of(cfg.stage_layers, ctx.pipe.stage) if ctx.pipe is not None else None
+def _build(launch: RankLaunch, ctx: ParallelContext, device: str) -> RankModel:
+    """This rank's model; running out of GPU memory is named with the fix."""
+    spec = launch.spec
     try:
-        model = build_rank_model(cfg.model_dir, family, args, coord, ctx, getattr(torch, cfg.dtype), device,
-                                 stage=stage, rank=cfg.rank, quantization=cfg.quantization,
-                                 memory_budget=cfg.memory_budget, offload_dir=cfg.offload_dir, prefetch=cfg.prefetch,
-                                 stream_last=cfg.stream_layers[ctx.pipe.stage if ctx.pipe else 0]
-                                 if cfg.stream_layers else None)
+        return build_rank_model(spec, launch.source, ctx, launch.settings, device)
     except torch.cuda.OutOfMemoryError as e:  # torch.OutOfMemoryError, under its older name
         if device == "cpu":
             raise
         free, total = torch.cuda.mem_get_info(device)
-        raise DeviceError(f"rank {cfg.rank} ran out of memory on {device} while loading its part of the model "
+        raise DeviceError(f"rank {spec.rank} ran out of memory on {device} while loading its part of the model "
                           f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the failure); stream layers "
                           "from host memory (--memory-budget SIZE), use more ranks (--tp), or quantize "
                           "(--quantization int4)") from e
-    kv_heads = coord.local_kv_heads()
+
+
+def _ready_report(rank: RankModel, device: str) -> dict[str, Any]:
+    """What a rank tells the driver once it is loaded."""
+    return {"load_s": rank.stats.load_s, "peak_rss_bytes": peak_rss_bytes(), "device": device,
+            "peak_gpu_bytes": peak_gpu_bytes(device), "rss_before_load_bytes": rank.stats.rss_before_load,
+            "weight_bytes": rank.resident_bytes(), "streamed_layers": list(rank.streamed),
+            "streamed_bytes_per_step": rank.streamed_bytes_per_step(), "kernels": rank.kernels.describe()}
+
+
+def _serve(launch: RankLaunch, requests, results, listener) -> None:
+    t0 = time.perf_counter()
+    ctx, device = _setup(launch, listener)
+    rank = _build(launch, ctx, device)
     ctx.stats.clear()  # collectives of the load (quantization statistics) are not a request's traffic
     dist.barrier()
-    weight_bytes = model_bytes(model)
-    streamer, plan = model.__dict__.get("streamer"), model.__dict__.get("stream_plan")
-    results.put(("ready", cfg.rank, {"load_s": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes(),
-                                     "device": device, "peak_gpu_bytes": peak_gpu_bytes(device),
-                                     "rss_before_load_bytes": rss_before, "weight_bytes": weight_bytes,
-                                     "streamed_layers": list(plan.streamed) if streamer else [],
-                                     "streamed_bytes_per_step": streamer.bytes_per_pass if streamer else 0}))
+    rank.stats.load_s = time.perf_counter() - t0
+    results.put(("ready", launch.spec.rank, _ready_report(rank, device)))
     try:
         while True:
-            box = [requests.get() if cfg.rank == 0 else None]
+            box = [requests.get() if launch.spec.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             req: Request | None = box[0]
             if req is None:
                 return
-            _run(model, req, kv_heads, ctx, cfg.rank, results, device)
+            _run(rank, req, ctx, results)
     finally:
-        if streamer is not None:
-            streamer.close()
+        rank.close()
         if ctx.shm is not None:
             ctx.shm.close()
         dist.destroy_process_group()
 
 
-def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, results, device: str = "cpu") -> None:
+def _run(rank: RankModel, req: Request, ctx: ParallelContext, results) -> None:
     stats = GenerationStats()
-    streamer = model.__dict__.get("streamer")
+    streamer = rank.streamer
     before = streamer.stats.as_dict() if streamer is not None else None
-    on_token = (lambda tokens: results.put(("token", 0, tokens))) if rank == 0 else None
-    batch, eos = Batch.from_lists(req.prompts, req.pad_id), () if req.ignore_eos else model.args.eos_token_ids
+    on_token = (lambda tokens: results.put(("token", 0, tokens))) if rank.spec.rank == 0 else None
+    batch, eos = Batch.from_lists(req.prompts, req.pad_id), () if req.ignore_eos else rank.args.eos_token_ids
     if ctx.pipe is None:
-        out = generate(model, batch, req.max_new_tokens, req.sampling, eos, kv_heads, on_token=on_token, stats=stats)
+        out = generate(rank, batch, req.max_new_tokens, req.sampling, eos, on_token=on_token, stats=stats)
     else:
-        out = pipeline_generate(model, ctx, batch, req.max_new_tokens, req.sampling, eos, kv_heads,
-                                req.micro_batches, on_token=on_token, stats=stats)
+        out = pipeline_generate(rank, ctx, batch, req.max_new_tokens, req.sampling, eos, req.micro_batches,
+                                on_token=on_token, stats=stats)
     report: dict[str, Any] = {
         "tokens": out, "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
         "prompt_tokens": stats.prompt_tokens, "decode_tokens": stats.decode_tokens,
-        "peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": peak_gpu_bytes(device),
+        "peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": peak_gpu_bytes(str(rank.device)),
         "comms": ctx.snapshot(), "streaming": None,
     }
     if streamer is not None:
@@ -192,4 +198,4 @@ def _run(model, req: Request, kv_heads: int, ctx: ParallelContext, rank: int, re
         needed = delta["prefetch_hits"] + delta["prefetch_waits"]
         delta["hit_rate"] = delta["prefetch_hits"] / needed if needed else None
         report["streaming"] = delta
-    results.put(("done", rank, report))
+    results.put(("done", rank.spec.rank, report))

@@ -3,7 +3,7 @@ copied in ahead of use on a side CUDA stream, into one of two device buffers.
 
 How one streamed layer L moves (prefetch on):
     before(L):  the compute stream waits (on the GPU, not the host) for L's copy event; L's
-                parameters become views of its device buffer; the copy of the next streamed layer
+                kernel weights become views of its device buffer; the copy of the next streamed layer
                 is queued on the copy stream, behind an event saying the compute stream is done
                 with the buffer it will overwrite
     after(L):   the views are dropped and an event marks "compute finished with L's buffer"
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardlm.runtime.offload import Slot, StreamStats, _detach, _put, _wrap, layer_tensors
+from shardlm.runtime.offload.slots import Slot, detach, hold_apart, slots_of
+from shardlm.runtime.offload.streamer import StreamStats
 
 ALIGN = 256
 """Byte alignment of each tensor inside a layer's block (keeps every dtype view aligned)."""
@@ -40,20 +41,17 @@ class HostLayer:
 class PinnedStore:
     """Moves finished layers off the GPU into pinned host blocks (`add`), the GPU tier's `OffloadStore`."""
 
-    def add(self, module: nn.Module) -> HostLayer:
-        """Copy every weight of `module` (parameters and quantized fields) into one pinned block and
-        leave meta placeholders in the module; returns where each tensor went."""
-        tensors = layer_tensors(module)
-        slots, offset = [], 0
-        for owner, attr, t in tensors:
-            offset = -(-offset // ALIGN) * ALIGN
-            slots.append(Slot(owner, attr, tuple(t.shape), t.dtype, offset, t.numel() * t.element_size()))
-            offset += t.numel() * t.element_size()
-        host = torch.empty(offset, dtype=torch.uint8, pin_memory=True)
-        for (_, _, t), s in zip(tensors, slots):
+    def add(self, layer: nn.Module) -> HostLayer:
+        """Copy every linear weight of `layer` (float or quantized, held apart first) into one pinned
+        block and leave meta placeholders; returns where each tensor went."""
+        hold_apart(layer)
+        items, size = slots_of(layer, ALIGN)
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        for t, s in items:
             host[s.offset:s.offset + s.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-        _detach(slots)
-        return HostLayer(slots, host, offset)
+        slots = [s for _, s in items]
+        detach(slots)
+        return HostLayer(slots, host, size)
 
     def close(self) -> None:
         """Nothing to remove: the pinned blocks go with the process."""
@@ -81,8 +79,6 @@ class DeviceStreamer:
         self.copy_stream = torch.cuda.Stream(self.device) if self.prefetch else None
         self.next_of = {m: self.order[(i + 1) % len(self.order)] for i, m in enumerate(self.order)}
         self.view_cache: dict[tuple[nn.Module, int], list] = {}
-        self.placeholders = {m: [(s.owner, s.attr, _wrap(s.owner, torch.empty(s.shape, dtype=s.dtype, device="meta")))
-                                 for s in h.slots] for m, h in self.layers.items()}
         self.handles = []
         for m in self.order:
             self.handles.append(m.register_forward_pre_hook(self._before))
@@ -140,26 +136,24 @@ class DeviceStreamer:
         compute.wait_event(done)
         self.checks.append((reached, done))
         for owner, attr, value in self._views(module, i):
-            _put(owner, attr, value)
+            setattr(owner, attr, value)
         self.active[module] = i
         nxt = self.next_of[module]
         if self.prefetch and self.free and nxt not in self.ready and nxt not in self.active:
             self._issue(nxt)
 
     def _views(self, module: nn.Module, i: int) -> list:
-        """(owner, attribute, value) that point `module`'s weights into buffer i, made once per pair:
-        building a Parameter view per tensor on every use cost more host time than the copy itself."""
+        """(owner, field, view) that point `module`'s weights into buffer i, made once per pair: building
+        the views on every use cost more host time than the copy itself."""
         key = (module, i)
         if key not in self.view_cache:
             base = self.buffers[i]
-            self.view_cache[key] = [(s.owner, s.attr, _wrap(s.owner, base[s.offset:s.offset + s.nbytes]
-                                                            .view(s.dtype).view(s.shape)))
+            self.view_cache[key] = [(s.owner, s.attr, base[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape))
                                     for s in self.layers[module].slots]
         return self.view_cache[key]
 
     def _after(self, module: nn.Module, args, output) -> None:
-        for owner, attr, value in self.placeholders[module]:
-            _put(owner, attr, value)
+        detach(self.layers[module].slots)
         i = self.active.pop(module)
         released = torch.cuda.Event()
         released.record(torch.cuda.current_stream(self.device))

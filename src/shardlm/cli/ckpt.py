@@ -1,4 +1,4 @@
-"""`shardlm shard`, `reshard`, `consolidate`, `convert`, `verify`: checkpoint commands (registered on the main app)."""
+"""`shardlm shard`, `reshard`, `consolidate`, `convert`, `verify`: the checkpoint commands."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
-from shardlm.cli import _fail, app, size_flag
 from shardlm.checkpoint.headers import CheckpointError
+from shardlm.cli import options as o
+from shardlm.cli.common import out
+from shardlm.cli.common import fail as _fail
 from shardlm.models.args import ModelConfigError
 
-out = Console()
 SIZE_HELP = "Largest data file, e.g. 2GB or 500MB (GB means GiB)."
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -25,10 +25,6 @@ def _model_folder(model: str) -> Path:
         return Path(bundled.resolve_model(model))
     except bundled.BundledModelError as e:
         _fail(str(e))
-
-
-def _size(text: str) -> int:
-    return size_flag("--max-shard-size", text)
 
 
 def _dtype(dtype: Optional[str]) -> Optional[str]:
@@ -65,11 +61,10 @@ def _run(fn, *args, **kw):
         _fail(f"{e.strerror or e}: {e.filename or ''}; nothing was committed (no index or shardlm.json written)")
 
 
-@app.command()
-def shard(model: str = typer.Argument(..., help="Model folder (or smollm2-135m for the bundled model), ordinary or per-rank files."),
-          manifest: str = typer.Option(..., "--manifest", help="Plan whose ranks get files (from `shardlm plan`)."),
-          output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
-          max_shard_size: str = typer.Option("2GB", help=SIZE_HELP),
+def shard(model: str = typer.Argument(..., parser=o.ModelPath(), help="Model folder (or smollm2-135m for the bundled model), ordinary or per-rank files."),
+          manifest: str = typer.Option(..., "--manifest", parser=o.ExistingPath("file"), help="Plan whose ranks get files (from `shardlm plan`)."),
+          output: str = typer.Option(..., "-o", "--output", parser=o.NewPath("folder"), help="Output folder (new or empty)."),
+          max_shard_size: int = typer.Option("2GB", parser=o.SHARD_SIZE, help=SIZE_HELP),
           dtype: Optional[str] = typer.Option(None, help="Store weights as float32, bfloat16 or float16 (default: as stored)."),
           overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
           as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
@@ -77,16 +72,15 @@ def shard(model: str = typer.Argument(..., help="Model folder (or smollm2-135m f
     from shardlm.checkpoint.shard import shard as do_shard
 
     tp, stages, doc = _layout_from_manifest(manifest)
-    stats = _run(do_shard, _model_folder(model), Path(output), tp, stages, _size(max_shard_size), _dtype(dtype),
+    stats = _run(do_shard, _model_folder(model), Path(output), tp, stages, max_shard_size, _dtype(dtype),
                  overwrite, not as_json, doc)
     _report(stats, "sharded", output, as_json)
 
 
-@app.command()
-def reshard(source: str = typer.Argument(..., help="Per-rank files written by `shardlm shard`."),
-            manifest: str = typer.Option(..., "--manifest", help="The new plan."),
-            output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
-            max_shard_size: str = typer.Option("2GB", help=SIZE_HELP),
+def reshard(source: str = typer.Argument(..., parser=o.ExistingPath("folder"), help="Per-rank files written by `shardlm shard`."),
+            manifest: str = typer.Option(..., "--manifest", parser=o.ExistingPath("file"), help="The new plan."),
+            output: str = typer.Option(..., "-o", "--output", parser=o.NewPath("folder"), help="Output folder (new or empty)."),
+            max_shard_size: int = typer.Option("2GB", parser=o.SHARD_SIZE, help=SIZE_HELP),
             overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
             as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Rewrite per-rank files for another plan, one tensor slice at a time (no consolidated copy in memory)."""
@@ -96,15 +90,14 @@ def reshard(source: str = typer.Argument(..., help="Per-rank files written by `s
     if not is_sharded(Path(source)):
         _fail(f"{source} holds no per-rank files (no shardlm.json); use `shardlm shard {source} --manifest ...`")
     tp, stages, doc = _layout_from_manifest(manifest)
-    stats = _run(do_shard, Path(source), Path(output), tp, stages, _size(max_shard_size), None, overwrite, not as_json,
+    stats = _run(do_shard, Path(source), Path(output), tp, stages, max_shard_size, None, overwrite, not as_json,
                  doc)
     _report(stats, "resharded", output, as_json)
 
 
-@app.command()
-def consolidate(source: str = typer.Argument(..., help="Per-rank files written by `shardlm shard`."),
-                output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
-                max_shard_size: str = typer.Option("2GB", help=SIZE_HELP),
+def consolidate(source: str = typer.Argument(..., parser=o.ExistingPath("folder"), help="Per-rank files written by `shardlm shard`."),
+                output: str = typer.Option(..., "-o", "--output", parser=o.NewPath("folder"), help="Output folder (new or empty)."),
+                max_shard_size: int = typer.Option("2GB", parser=o.SHARD_SIZE, help=SIZE_HELP),
                 dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: as stored)."),
                 overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
                 as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
@@ -115,15 +108,14 @@ def consolidate(source: str = typer.Argument(..., help="Per-rank files written b
     if not is_sharded(Path(source)):
         _fail(f"{source} holds no per-rank files (no shardlm.json); it is already an ordinary checkpoint "
               "(use `shardlm convert` to re-cap its files)")
-    stats = _run(write_whole, Path(source), Path(output), _size(max_shard_size), _dtype(dtype), overwrite,
+    stats = _run(write_whole, Path(source), Path(output), max_shard_size, _dtype(dtype), overwrite,
                  not as_json, "consolidating")
     _report(stats, "consolidated", output, as_json)
 
 
-@app.command()
-def convert(model: str = typer.Argument(..., help="Hugging Face model folder (or smollm2-135m for the bundled model)."),
-            output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
-            max_shard_size: str = typer.Option("1GB", help=SIZE_HELP),
+def convert(model: str = typer.Argument(..., parser=o.ModelPath(), help="Hugging Face model folder (or smollm2-135m for the bundled model)."),
+            output: str = typer.Option(..., "-o", "--output", parser=o.NewPath("folder"), help="Output folder (new or empty)."),
+            max_shard_size: int = typer.Option("1GB", parser=o.SHARD_SIZE, help=SIZE_HELP),
             dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: as stored)."),
             quantization: Optional[str] = typer.Option(None, "--quantization", help="Store linear weights as int8 (per channel) or int4 (groups of 32)."),
             overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
@@ -134,13 +126,12 @@ def convert(model: str = typer.Argument(..., help="Hugging Face model folder (or
 
     if quantization not in (None, "none", "int8", "int4"):
         _fail(f"--quantization {quantization} is not supported; use int8 or int4")
-    stats = _run(write_whole, _model_folder(model), Path(output), _size(max_shard_size), _dtype(dtype), overwrite,
+    stats = _run(write_whole, _model_folder(model), Path(output), max_shard_size, _dtype(dtype), overwrite,
                  not as_json, "converting", None if quantization in (None, "none") else quantization)
     _report(stats, "converted", output, as_json)
 
 
-@app.command()
-def verify(folder: str = typer.Argument(..., help="A checkpoint written by shard, reshard, consolidate or convert."),
+def verify(folder: str = typer.Argument(..., parser=o.ExistingPath("folder"), help="A checkpoint written by shard, reshard, consolidate or convert."),
            no_checksums: bool = typer.Option(False, "--no-checksums", help="Skip the sha256 of every file (headers, sizes and coverage only)."),
            as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Check headers, sizes, checksums and that every tensor slice the plan needs is there; exit 2 if not."""

@@ -1,4 +1,4 @@
-"""`shardlm inspect`, `plan` and `validate`: the planner's commands (registered on the main app)."""
+"""`shardlm inspect`, `plan`, `validate` and `calibrate`: the planner's commands."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from dataclasses import replace
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from shardlm.cli import _fail, app, err, layer_counts
+from shardlm.cli import options as o
+from shardlm.cli.common import err, out
+from shardlm.cli.common import fail as _fail
 from shardlm.hardware import HardwareError
 from shardlm.models.args import ModelConfigError
 from shardlm.plan.inspect import inspect_model
@@ -21,7 +22,6 @@ from shardlm.plan.plan import Plan
 from shardlm.plan.search import Request
 from shardlm.plan.validate import violations
 
-out = Console()
 GiB = 2**30
 USER_ERRORS = (ModelConfigError, HardwareError, PlanError, LayoutError)
 
@@ -30,7 +30,6 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
-@app.command()
 def inspect(model: str = typer.Argument(..., help="Preset name (e.g. llama-3.1-8b) or a local model folder."),
             as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Architecture, parameters, bytes per dtype, per-layer sizes and KV bytes per token (no weights needed)."""
@@ -118,30 +117,29 @@ def memory_table(plan: Plan, limit: int = 16) -> Table:
     return t
 
 
-@app.command()
 def plan(model: str = typer.Argument(..., help="Preset name or local model folder."),
          devices: Optional[str] = typer.Option(None, "--devices", help="e.g. 8xH100-80GB, 2x8xH100-80GB, 2xcpu-4GB"),
-         cluster: Optional[str] = typer.Option(None, "--cluster", help="Cluster YAML file."),
-         max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Prompt + generated tokens (default min(model, 4096))."),
-         max_batch: int = typer.Option(1, "--max-batch", help="Sequences decoded together."),
+         cluster: Optional[str] = typer.Option(None, "--cluster", parser=o.ExistingPath("file"), help="Cluster YAML file."),
+         max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", parser=o.MAX_SEQ_LEN, help="Prompt + generated tokens (default min(model, 4096))."),
+         max_batch: int = typer.Option(1, "--max-batch", parser=o.MAX_BATCH, help="Sequences decoded together."),
          dtype: str = typer.Option("bfloat16", "--dtype", help="float32 | bfloat16 | float16"),
          quantization: str = typer.Option("auto", "--quantization", help="auto | none | int8 | int4"),
          objective: str = typer.Option("latency", "--objective", help="latency | throughput"),
-         tp: Optional[int] = typer.Option(None, "--tp", help="Pin the tensor-parallel degree."),
-         pp: Optional[int] = typer.Option(None, "--pp", help="Pin the number of pipeline stages."),
-         layers: Optional[str] = typer.Option(None, "--layers", help="Pin layers per stage, e.g. 20,10."),
-         output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the best plan as a manifest."),
-         figure: Optional[str] = typer.Option(None, "--figure", help="Draw the best plan (png/svg/pdf)."),
+         tp: Optional[int] = typer.Option(None, "--tp", parser=o.TP, help="Pin the tensor-parallel degree."),
+         pp: Optional[int] = typer.Option(None, "--pp", parser=o.PP, help="Pin the number of pipeline stages."),
+         layers: Optional[str] = typer.Option(None, "--layers", parser=o.LayerCounts(), help="Pin layers per stage, e.g. 20,10."),
+         output: Optional[str] = typer.Option(None, "-o", "--output", parser=o.NewPath("file"), help="Write the best plan as a manifest."),
+         figure: Optional[str] = typer.Option(None, "--figure", parser=o.NewPath("file"), help="Draw the best plan (png/svg/pdf)."),
          offload: bool = typer.Option(False, "--offload", help="Allow streaming layers from host RAM or disk."),
-         show: int = typer.Option(5, "--show", help="How many layouts to list."),
+         show: int = typer.Option(5, "--show", parser=o.SHOW, help="How many layouts to list."),
          as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Choose tp, pp, stages, quantization and offload for MODEL on the devices; predict memory and speed."""
     try:
         ref, family, args = load_model(model)
-        check_options(dtype, quantization, objective, max_batch, max_seq_len or 2, args)
+        check_options(dtype, quantization, objective, max_batch, 2 if max_seq_len is None else max_seq_len, args)
         clus, cname = load_devices(devices, cluster)
         req = Request(ref, args, family.tp_plan, clus, cname, dtype, quantization, objective,
-                      default_kv(max_batch, max_seq_len, args), tp, pp, layer_counts(layers), offload)
+                      default_kv(max_batch, max_seq_len, args), tp, pp, layers, offload)
         if req.layers is not None and req.pp is None:
             req = replace(req, pp=len(req.layers))
         result = make_plan(req)
@@ -191,8 +189,7 @@ def _print_plan(result, best: Plan, show: int) -> None:
     out.print("assumptions: " + "; ".join(best.predictions.assumptions), highlight=False)
 
 
-@app.command()
-def validate(manifest: str = typer.Argument(..., help="Manifest YAML written by `shardlm plan` (maybe edited)."),
+def validate(manifest: str = typer.Argument(..., parser=o.ExistingPath("file"), help="Manifest YAML written by `shardlm plan` (maybe edited)."),
              as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Re-predict a manifest and check every device's budget and the stage balance; exit 2 on a violation."""
     from shardlm.manifest import ManifestError, read_manifest
@@ -217,7 +214,6 @@ def validate(manifest: str = typer.Argument(..., help="Manifest YAML written by 
         out.print(f"[green]ok:[/] {manifest} fits its devices and its stages are balanced")
 
 
-@app.command()
 def calibrate() -> None:
     """Measure this machine (decode bandwidth, FLOP/s, per-layer overhead, rank memory) for CPU plans."""
     from rich.progress import Progress

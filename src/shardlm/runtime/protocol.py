@@ -1,13 +1,17 @@
-"""What the driver sends to its rank processes: plain picklable records that import no torch.
+"""What the driver and its rank processes say to each other: plain picklable records that import no torch.
 
-The driver (CLI, server) builds these and never imports torch itself; only the ranks do. That
+The driver (engine/) builds these and never imports torch itself; only the ranks (runtime/) do. That
 keeps a command's start-up to one torch import on the critical path (the ranks', in parallel)
-instead of two in a row.
+instead of two in a row. Both sides import this module, so it sits on the rank side's floor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from shardlm.models.source import ModelSource
+from shardlm.plan.plan import RankSpec
+from shardlm.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -34,41 +38,23 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a rank needs to start (picklable)."""
+class RankLaunch:
+    """Everything a rank process needs to start (picklable): its part of the Plan and how to reach its peers."""
 
-    rank: int
-    world: int
+    spec: RankSpec
+    """What this rank builds and runs (plan.rank_spec(rank))."""
+    source: ModelSource
+    """The checkpoint and the model's shape."""
     port: int
-    model_dir: str
-    family: str
-    args: dict
-    dtype: str
+    """Port of rank 0's rendezvous store on 127.0.0.1."""
     threads: int
+    """Torch threads for this rank."""
     shm_bytes: int
     """Slot size of the shared-memory transport for same-host collectives; 0 uses gloo only."""
     timeout_s: float
-    tp: int = 0
-    """Ranks per pipeline stage (0: all ranks form one tensor-parallel group)."""
-    stage_layers: tuple = ()
-    """[start, stop) decoder layers of each pipeline stage; empty: one stage with every layer."""
-    quantization: str | None = None
-    """Weight-only quantization applied at load (None, "int8", "int4")."""
-    memory_budget: int | None = None
-    """Bytes of weights and read buffers this rank may hold; the layers beyond it stream from disk."""
-    offload_dir: str | None = None
-    """Folder for the streamed layers' scratch file (default $SHARDLM_HOME/offload)."""
-    prefetch: bool = True
-    """Read the next streamed layer while the current one computes."""
-    stream_layers: tuple = ()
-    """Per stage, how many of its last layers stream from disk (a manifest's offload.layers); overrides the budget."""
-    device: str = "cpu"
-    """"cpu", or "cuda": rank r runs on GPU r mod the GPUs it sees (NCCL when each rank has its own)."""
-
-    @property
-    def pp(self) -> int:
-        """Pipeline stages."""
-        return max(1, len(self.stage_layers))
+    """Longest wait for a peer in a collective."""
+    settings: Settings
+    """The driver's settings (kernels, cache folder, log level ...)."""
 
 
 @dataclass(frozen=True)

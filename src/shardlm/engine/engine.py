@@ -1,7 +1,9 @@
-"""LocalEngine: spawn one process per rank on this machine, feed them requests, collect tokens.
+"""LocalEngine: run a Plan as one process per rank on this machine, feed them requests, collect tokens.
 
-The driver owns the rank processes: it stops all of them when one fails, when the user presses
-Ctrl-C, or when it exits; ranks also die with the driver (PR_SET_PDEATHSIG), so none is orphaned.
+The engine takes a Plan and a model source; rank r receives `plan.rank_spec(r)` in its launch
+message and builds its part from that alone. The driver owns the rank processes: it stops all of
+them when one fails, when the user presses Ctrl-C, or when it exits; ranks also die with the driver
+(PR_SET_PDEATHSIG), so none is orphaned.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shardlm.models.args import ModelArgs
+from shardlm.models.source import ModelSource
 from shardlm.parallel.launch import store_listener, threads_per_rank
-from shardlm.runtime.messages import Request, SamplingParams, WorkerConfig
+from shardlm.parallel.stages import auto_micro_batches
+from shardlm.plan.plan import Plan
+from shardlm.runtime.protocol import RankLaunch, Request, SamplingParams
+from shardlm.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +41,12 @@ class RankFailure(RuntimeError):
         self.user_error = user_error
 
 
-def _rank_main(cfg: WorkerConfig, requests, results, listener=None) -> None:
+def _rank_main(launch: RankLaunch, requests, results, listener=None) -> None:
     """The rank processes' entry point: torch and the model code are imported here, in the rank,
-    so that the driver never imports them (see runtime/messages.py)."""
+    so that the driver never imports them (see runtime/protocol.py)."""
     from shardlm.runtime.worker import rank_main
 
-    rank_main(cfg, requests, results, listener)
+    rank_main(launch, requests, results, listener)
 
 
 def _failure(msg: tuple) -> RankFailure:
@@ -64,30 +69,19 @@ class GenerateResult:
 
 @dataclass
 class LocalEngine:
-    """tp x pp ranks as local processes over gloo (and shared memory for each stage's collectives),
+    """The Plan's ranks as local processes over gloo (and shared memory for each stage's collectives),
     or over NCCL when they run on GPUs of their own."""
 
-    model_dir: str
-    family: str
-    args: ModelArgs
-    tp: int = 1
-    stage_layers: tuple = ()
-    """[start, stop) decoder layers per pipeline stage; empty: one stage."""
-    dtype: str = "float32"
-    quantization: str | None = None
-    """Weight-only quantization of the linear layers at load: None, "int8" or "int4"."""
-    memory_budget: int | None = None
-    """Per-rank bytes of weights and read buffers; layers beyond it stream from `offload_dir`."""
-    offload_dir: str | None = None
-    prefetch: bool = True
-    stream_layers: tuple = ()
-    """Per stage, how many of its last layers stream from disk (overrides memory_budget)."""
+    plan: Plan
+    """What runs: layout, numerics, offload, KV budget (each rank gets plan.rank_spec(rank))."""
+    source: ModelSource
+    """The checkpoint and the model's shape."""
+    settings: Settings = field(default_factory=Settings.from_env)
+    """Kernels, cache folder and log level, sent to every rank."""
     threads: int | None = None
     """Torch threads per rank; default: this machine's cores divided among the ranks."""
     shm: bool = True
     """Use the shared-memory transport for collectives between local ranks."""
-    device: str = "cpu"
-    """"cpu" or "cuda": rank r runs on GPU r mod the GPUs it sees (NCCL when each rank has its own GPU)."""
     timeout_s: float = 300.0
     """Longest wait for any rank; a silent rank past it is reported as hung."""
     load_s: float = 0.0
@@ -97,8 +91,8 @@ class LocalEngine:
 
     @property
     def world(self) -> int:
-        """Rank processes: tp per stage times the stages."""
-        return self.tp * max(1, len(self.stage_layers))
+        """Rank processes."""
+        return self.plan.world
 
     def start(self) -> "LocalEngine":
         """Spawn the ranks and wait until every one has loaded its part of the model."""
@@ -109,15 +103,14 @@ class LocalEngine:
         threads = self.threads or threads_per_rank(world)
         listener = store_listener()  # rank 0 serves the rendezvous store on it
         port = listener.getsockname()[1]
-        shm_bytes = SHM_SLOT_BYTES if self.shm and self.tp > 1 else 0
+        shm_bytes = SHM_SLOT_BYTES if self.shm and self.plan.layout.tp > 1 else 0
         self._procs = []
         try:
             for rank in range(world):
-                cfg = WorkerConfig(rank, world, port, str(self.model_dir), self.family, self.args.to_dict(),
-                                   self.dtype, threads, shm_bytes, self.timeout_s, self.tp, tuple(self.stage_layers),
-                                   self.quantization, self.memory_budget, self.offload_dir, self.prefetch,
-                                   tuple(self.stream_layers), self.device)
-                p = ctx.Process(target=_rank_main, args=(cfg, self._requests, self._results, listener if rank == 0 else None),
+                launch = RankLaunch(self.plan.rank_spec(rank), self.source, port, threads, shm_bytes, self.timeout_s,
+                                    self.settings)
+                p = ctx.Process(target=_rank_main, args=(launch, self._requests, self._results,
+                                                         listener if rank == 0 else None),
                                 daemon=True, name=f"shardlm-rank{rank}")
                 p.start()
                 self._procs.append(p)
@@ -130,6 +123,7 @@ class LocalEngine:
                 ready[rank] = payload
         self.ready = [ready[r] for r in range(world)]
         self.load_s = time.perf_counter() - t0
+        log.info("%d rank(s) ready in %.1f s", world, self.load_s)
         return self
 
     def _next(self) -> tuple:
@@ -181,15 +175,21 @@ class LocalEngine:
                          "LocalEngine needs the `if __name__ == \"__main__\":` guard, as ranks are spawned)")
                 raise RankFailure(f"rank {rank} (pid {p.pid}) died with {how}{early}; stopped every rank")
 
+    def micro_batches(self, batch: int) -> int:
+        """Micro-batches for a batch of `batch` rows: the plan's, else one per stage capped by the batch."""
+        pp = self.plan.layout.pp
+        return 1 if pp == 1 else min(batch, self.plan.micro_batches or auto_micro_batches(batch, pp))
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams,
                  pad_id: int = 0, on_token: Callable[[list[int]], None] | None = None,
-                 ignore_eos: bool = False, micro_batches: int = 1) -> GenerateResult:
+                 ignore_eos: bool = False) -> GenerateResult:
         """Run one batch to completion; `on_token` gets each step's tokens (-1 for rows without one).
 
-        With pipeline stages, `micro_batches` groups of rows are in flight at once and `on_token`
-        is called once per micro-batch step.
+        With pipeline stages, `micro_batches(len(prompts))` groups of rows are in flight at once and
+        `on_token` is called once per micro-batch step.
         """
-        self._requests.put(Request(prompts, max_new_tokens, sampling, pad_id, ignore_eos, micro_batches))
+        self._requests.put(Request(prompts, max_new_tokens, sampling, pad_id, ignore_eos,
+                                   self.micro_batches(len(prompts))))
         reports: dict[int, dict] = {}
         while len(reports) < self.world:
             kind, rank, payload = self._next()

@@ -7,17 +7,18 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from shardlm import bundled
-from shardlm.cli import _fail, app, err
 from shardlm.checkpoint.headers import CheckpointError
-from shardlm.models.args import ModelConfigError, read_config
-from shardlm.models.registry import args_for_config, require_runnable
+from shardlm.cli import options as o
+from shardlm.cli.common import err, out
+from shardlm.cli.common import fail as _fail
+from shardlm.models.args import ModelConfigError
+from shardlm.models.registry import require_runnable
+from shardlm.models.source import ModelSource
 from shardlm.quant_spec import QuantizationError, check_kind
 
-out = Console()
 DTYPES = ("float32", "bfloat16")
 
 
@@ -29,22 +30,8 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     return items
 
 
-@app.command()
-def perplexity(
-    model: Optional[str] = typer.Option(None, help="Local Hugging Face Llama-family folder (default: bundled SmolLM2-135M-Instruct)."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16, or several, e.g. float32,bfloat16."),
-    quantization: str = typer.Option("none", "--quantization", help="none, int8, int4, or several, e.g. none,int8,int4."),
-    text: Optional[str] = typer.Option(None, "--text", help="UTF-8 text file to score (default: the public-domain text shipped with shardlm)."),
-    window: int = typer.Option(512, help="Tokens per scored window (each window is scored from scratch)."),
-    device: str = typer.Option("cpu", help="cpu, or cuda (the first GPU)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-) -> None:
-    """Perplexity of the model on a text for each dtype x quantization asked (one rank, on --device)."""
-    from shardlm.runtime.perplexity import default_text, perplexity as run
-    from shardlm.runtime.text import load_tokenizer
-
-    dtypes = _choices(dtype, DTYPES, "--dtype")
-    quants = _choices(quantization, ("none", "int8", "int4"), "--quantization")
+def _check_device(device: str) -> None:
+    """Exit with one line unless `device` is cpu, or cuda on a machine where torch sees a GPU."""
     if device not in ("cpu", "cuda"):
         _fail(f"--device {device} is not supported; use cpu or cuda")
     if device == "cuda":
@@ -56,16 +43,32 @@ def perplexity(
             rank_device(device, 0, torch.cuda.device_count())
         except DeviceError as e:
             _fail(str(e))
-    if window < 2:
-        _fail(f"--window {window} is too small; each window needs at least 2 tokens, e.g. --window 512")
+
+
+def perplexity(
+    model: Optional[str] = typer.Option(None, parser=o.ModelPath(), help="Local Hugging Face Llama-family folder (default: bundled SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16, or several, e.g. float32,bfloat16."),
+    quantization: str = typer.Option("none", "--quantization", help="none, int8, int4, or several, e.g. none,int8,int4."),
+    text: Optional[str] = typer.Option(None, "--text", parser=o.ExistingPath("file"), help="UTF-8 text file to score (default: the public-domain text shipped with shardlm)."),
+    window: int = typer.Option(512, parser=o.WINDOW, help="Tokens per scored window (each window is scored from scratch)."),
+    device: str = typer.Option("cpu", help="cpu, or cuda (the first GPU)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Perplexity of the model on a text for each dtype x quantization asked (one rank, on --device)."""
+    from shardlm.engine.text import load_tokenizer
+    from shardlm.runtime.perplexity import default_text, perplexity as run
+
+    dtypes = _choices(dtype, DTYPES, "--dtype")
+    quants = _choices(quantization, ("none", "int8", "int4"), "--quantization")
+    _check_device(device)
     try:
         body = Path(text).read_text(encoding="utf-8") if text else default_text()
     except (OSError, UnicodeDecodeError) as e:
         _fail(f"--text {text}: {e}; give a readable UTF-8 text file")
     try:
         folder = bundled.resolve_model(model)
-        family, args = args_for_config(read_config(folder))
-        require_runnable(family, args)
+        source = ModelSource.open(folder)
+        require_runnable(source.family, source.args)
         tok = load_tokenizer(folder)
         for q in quants:
             check_kind(q, device)
@@ -76,7 +79,7 @@ def perplexity(
         for q in quants:
             with err.status(f"scoring {d}{'' if q == 'none' else ' + ' + q}..."):
                 try:
-                    r = run(folder, family, args, body, tok, d, None if q == "none" else q, window,
+                    r = run(source, body, tok, d, None if q == "none" else q, window,
                             "cuda:0" if device == "cuda" else "cpu")
                 except (CheckpointError, ValueError) as e:
                     _fail(str(e))

@@ -1,0 +1,55 @@
+"""Building and loading the compiled CPU decode kernels (csrc/): once per machine and source version.
+
+The extension is compiled with torch's JIT extension builder and cached in the settings' kernel
+folder under a name that carries a hash of this CPU (a -march=native build only runs on such CPUs)
+and of the sources. A process loads it at most once per folder; a build that fails (no compiler,
+no headers) is remembered as None and logged once, and the callers fall back to oneDNN or MKL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_LOADED: dict[str, object] = {}
+"""Extension modules loaded in this process, by name (None: the build failed). A cache of a loaded shared
+library, as torch keeps one: it selects nothing. The name carries the CPU and source hashes, so a
+module of that name loaded from any folder is the same build."""
+
+
+def cpu_tag() -> str:
+    """A short hash of the CPU's model and flags: a -march=native build is only valid on such CPUs."""
+    info = platform.processor() + platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info += "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    return hashlib.sha1(info.encode()).hexdigest()[:10]
+
+
+def extension(kernel_dir: Path):
+    """The compiled decode kernels, building them into `kernel_dir` on first use; None when they cannot
+    be built here."""
+    sources = sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+    # the folder is part of the key: the build command names the source path, so two checkouts sharing
+    # one cache folder would otherwise rebuild each other's extension on every load
+    digest = hashlib.sha1(str(CSRC).encode() + b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
+    name = f"shardlm_kernels_{cpu_tag()}_{digest}"
+    if name not in _LOADED:
+        build = Path(kernel_dir) / name
+        try:
+            from torch.utils.cpp_extension import load
+
+            build.mkdir(parents=True, exist_ok=True)
+            _LOADED[name] = load(name, [str(CSRC / "kernels.cpp")], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                 build_directory=str(build), verbose=False)
+        except Exception as e:  # no compiler, no headers, an exotic CPU: fall back, say why once
+            log.warning("decode kernel unavailable (%s); using oneDNN/MKL linear layers", e)
+            _LOADED[name] = None
+    return _LOADED[name]

@@ -1,0 +1,100 @@
+"""Fused CPU decode of a Llama block: each half of the block in one compiled call (csrc/decode.h).
+
+A block decoding one new token per row used to run ~45 small torch ops; at batch 1 their dispatch
+cost about as much as streaming the weights. When the compiled kernels are chosen ("gemv" mode),
+the model is float32 or bfloat16 on CPU and the block's seven linear weights are plain (not
+quantized, not oneDNN-packed), the rank builder installs a `FusedDecode` as the block's
+`decode_step`, and a decode step runs the block as two calls: the attention half (norm, q/k/v,
+rotary, cache write, attention, o projection) and the MLP half (norm, gate/up, SiLU gating, down
+projection). On one rank each call also adds the residual; under tensor parallelism the o and down
+projections are row-parallel (`RowParallelLinear`), so each call returns this rank's partial sums
+and the all-reduce, the bias and the residual follow here. Offloaded layers work unchanged: their
+weights are `PlainWeight`s the streamer fills around the block's forward, read here at each call.
+In bfloat16 the arithmetic inside each call is float32 and only the cache and each half's output
+are rounded to bfloat16 (the module path rounds after every op), so the two paths differ by
+bfloat16 rounding, not more. Everything else (prefill, float16, quantized weights, CUDA) takes the
+module-by-module path, which is also the reference the fused path is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardlm.kernels.linear import GEMV_MAX_ROWS, weight_tensor
+
+DTYPES = (torch.float32, torch.bfloat16)
+"""Model dtypes the fused step runs (arithmetic in float32; cache and outputs in the model's dtype)."""
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
+def plain_block(layer: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether every linear weight and norm of a block is a plain tensor of `dtype` (what the kernels read)."""
+    weights = [weight_tensor(m) for m in _linears(layer)]
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    return all(w is not None and w.dtype == dtype for w in weights) and all(n.dtype == dtype for n in norms)
+
+
+def _finish(x: torch.Tensor, partial: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+    """x + all_reduce(partial) + bias, for a row-parallel projection's partial sums (b, dim)."""
+    y = proj.ctx.all_reduce(partial).add_(x)
+    return y.add_(proj.bias) if proj.bias is not None else y
+
+
+class FusedDecode:
+    """The fused decode step of one block in `dtype`, installed as `layer.decode_step` by the rank builder."""
+
+    def __init__(self, ops, dtype: torch.dtype):
+        self.ops, self.dtype = ops, dtype
+
+    def applies(self, x: torch.Tensor, mask: torch.Tensor, cache) -> bool:
+        """Whether this call can run fused: one new token per row, few rows, on the CPU in this dtype."""
+        return cache is not None and x.shape[1] == 1 and x.dtype == self.dtype and x.device.type == "cpu" \
+            and x.shape[0] <= GEMV_MAX_ROWS and mask.dtype == torch.bool and mask.shape[-1] == cache.offset + 1
+
+    def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                 cache) -> torch.Tensor | None:
+        """One block for one new token per row: x (b, 1, dim) -> (b, 1, dim), writing the layer's cache slot;
+        None when the call does not apply (the block then runs module by module).
+
+        cos/sin (b, 1, 1, hd) and mask (b, 1, 1, offset+1) as the module path takes them.
+        """
+        if not self.applies(x, mask, cache):
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        b, _, dim = x.shape
+        cache.check_room(1)
+        q, k, v, o, gate, up, down = _linears(layer)
+        o_split = hasattr(o, "ctx")  # row-parallel: partial sums to all-reduce
+        norm = layer.input_layernorm
+        x = x.reshape(b, dim)
+        h = self.ops.attn_decode(x, norm.weight, norm.eps, weight_tensor(q), weight_tensor(k), weight_tensor(v),
+                                 q.bias, k.bias, v.bias, cos.reshape(b, -1), sin.reshape(b, -1),
+                                 cache.k[attn.layer_id], cache.v[attn.layer_id], cache.offset, attn.kv_map,
+                                 mask.reshape(b, -1), weight_tensor(o), o.bias, not o_split)  # (b, dim)
+        if o_split:
+            h = _finish(x, h, o)
+        down_split = hasattr(down, "ctx")
+        norm = layer.post_attention_layernorm
+        out = self.ops.mlp_decode(h, norm.weight, norm.eps, weight_tensor(gate), weight_tensor(up), gate.bias, up.bias,
+                                  weight_tensor(down), down.bias, not down_split)  # (b, dim)
+        if down_split:
+            out = _finish(h, out, down)
+        return out.view(b, 1, dim)
+
+
+def install_fused(model: nn.Module, ops, dtype: torch.dtype) -> int:
+    """Give every block of `model` whose weights are plain `dtype` tensors a FusedDecode step; returns
+    how many blocks got one (0 when `ops` is None or `dtype` is not one the kernels run)."""
+    if ops is None or dtype not in DTYPES:
+        return 0
+    installed = 0
+    for layer in model.model.layers.values():
+        if plain_block(layer, dtype):
+            layer.decode_step = FusedDecode(ops, dtype)
+            installed += 1
+    return installed

@@ -1,0 +1,83 @@
+"""Settings read from the environment, in one place, once at start-up.
+
+The driver reads them (`Settings.from_env()`) when a command starts and hands them to every rank in
+its launch message; nothing below reads an environment variable itself. Variables:
+
+- ``SHARDLM_HOME``: the cache folder (bundled model, compiled kernels, calibration, offload files);
+  default ``~/.cache/shardlm``.
+- ``SHARDLM_KERNELS``: CPU linear kernels, ``auto`` (default), ``gemv``, ``onednn`` or ``torch``.
+- ``SHARDLM_FUSED``: ``0`` turns the fused CPU decode step off (default on).
+- ``SHARDLM_CUDA_GRAPHS``: ``0`` turns CUDA-graph decode off (default on).
+- ``SHARDLM_OFFLOAD_UNCACHED``: ``1`` evicts streamed layers from the page cache after each use, so
+  every step reads the disk (benchmarks of the worst case).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+DEFAULT_HOME = "~/.cache/shardlm"
+KERNEL_MODES = ("auto", "gemv", "onednn", "torch")
+
+
+class SettingsError(ValueError):
+    """An environment variable with a value shardlm cannot use; names the variable and the accepted values."""
+
+
+def home(environ: Mapping[str, str] | None = None) -> Path:
+    """The shardlm cache folder: ``$SHARDLM_HOME``, default ``~/.cache/shardlm``."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("SHARDLM_HOME") or DEFAULT_HOME).expanduser()
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise SettingsError(f"{name}={value!r} is not 0 or 1; unset it or set it to 0 (off) or 1 (on)")
+    return value == "1"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How this process and its ranks run, beyond the Plan (picklable: sent to every rank)."""
+
+    home: Path = field(default_factory=home)
+    """Cache folder."""
+    kernels: str = "auto"
+    """CPU linear kernels: auto | gemv | onednn | torch."""
+    fused: bool = True
+    """Run CPU decode steps through the fused per-block kernel where it applies."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs where they apply (one GPU, nothing streamed)."""
+    offload_uncached: bool = False
+    """Evict streamed layers from the page cache after each use (benchmarks)."""
+    log_level: str = "WARNING"
+    """Level of the rank processes' log lines (the CLI's -v sets INFO)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Settings":
+        """Settings from the environment (`environ`, default os.environ); SettingsError for a bad value."""
+        env = os.environ if environ is None else environ
+        kernels = env.get("SHARDLM_KERNELS") or "auto"
+        if kernels not in KERNEL_MODES:
+            raise SettingsError(f"SHARDLM_KERNELS={kernels!r} is not one of {', '.join(KERNEL_MODES)}; unset it or "
+                                "pick one")
+        values = dict(home=home(env), kernels=kernels, fused=_flag(env, "SHARDLM_FUSED", True),
+                      cuda_graphs=_flag(env, "SHARDLM_CUDA_GRAPHS", True),
+                      offload_uncached=_flag(env, "SHARDLM_OFFLOAD_UNCACHED", False))
+        return cls(**{**values, **overrides})
+
+    @property
+    def offload_dir(self) -> Path:
+        """Where streamed layers go when no folder is given."""
+        return self.home / "offload"
+
+    @property
+    def kernel_dir(self) -> Path:
+        """Where the compiled decode kernels are cached."""
+        return self.home / "kernels"
