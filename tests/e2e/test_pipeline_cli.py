@@ -30,7 +30,8 @@ def test_uneven_stages_with_micro_batches_match_transformers(bundled_dir):
     out = json.loads(res.stdout)
     assert out["pp"] == 2 and out["stages"] == [[0, 20], [20, 30]] and out["micro_batches"] == 2
     assert [(r["rank"], r["stage"]) for r in out["ranks"]] == [(0, 0), (1, 1)]
-    assert all(r["comms"]["send"]["calls"] > 0 and r["comms"]["recv"]["calls"] > 0 for r in out["ranks"])
+    # hidden states flow stage 0 -> stage 1; sampled tokens go back through the driver, which schedules each step
+    assert out["ranks"][0]["comms"]["send"]["calls"] > 0 and out["ranks"][1]["comms"]["recv"]["calls"] > 0
     ids = [AutoTokenizer.from_pretrained(bundled_dir)(p)["input_ids"] for p in prompts]
     _, ref = hf_logits_and_tokens(hf_model(bundled_dir), ids, 10)
     for ours, theirs in zip(out["token_ids"], ref):

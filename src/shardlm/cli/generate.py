@@ -17,20 +17,20 @@ from shardlm.cli import options as o
 from shardlm.cli.common import err, fail, refuse_conflicts
 from shardlm.engine.checks import UserError
 from shardlm.engine.engine import RankFailure
+from shardlm.engine.requests import TokenEvent
 from shardlm.engine.session import GenerateRequest, prepare, run_generate
-from shardlm.engine.text import StreamDecoder
 from shardlm.plan.run import RunFlags
 from shardlm.runtime.protocol import SamplingParams
 from shardlm.settings import Settings
 
 
 class StreamView:
-    """Shows completions as tokens arrive: plain text for one prompt, a live panel per prompt for several."""
+    """Shows completions as their text arrives: plain text for one prompt, a live panel per prompt for several."""
 
-    def __init__(self, tokenizer, prompts: list[str]):
-        self.decoders = [StreamDecoder(tokenizer) for _ in prompts]
+    def __init__(self, prompts: list[str]):
         self.prompts, self.texts = prompts, ["" for _ in prompts]
         self.live = None
+        self.open = True
         if len(prompts) > 1:
             self.live = Live(self._render(), console=Console(), auto_refresh=False, transient=False)
             self.live.start()
@@ -39,16 +39,13 @@ class StreamView:
         return Group(*(Panel(t or "...", title=f"[{i}] {p}", title_align="left") for i, (p, t)
                        in enumerate(zip(self.prompts, self.texts))))
 
-    def push(self, tokens: list[int]) -> None:
-        """Append one step's tokens (-1 marks a finished row)."""
-        for i, tok in enumerate(tokens):
-            if tok >= 0:
-                new = self.decoders[i].push(tok)
-                self.texts[i] += new
-                if self.live is None:
-                    sys.stdout.write(new)
-                    sys.stdout.flush()
-        if self.live is not None:
+    def push(self, row: int, event: TokenEvent) -> None:
+        """Append one event's text to prompt `row`'s completion."""
+        self.texts[row] += event.text
+        if self.live is None:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        else:
             self.live.update(self._render(), refresh=True)
 
     def close(self) -> None:
@@ -56,9 +53,9 @@ class StreamView:
         if self.live is not None:
             self.live.stop()
             self.live = None
-        elif self.decoders is not None:
+        elif self.open:
             print(flush=True)
-        self.decoders = None
+        self.open = False
 
 
 def _warn_oversubscribed(world: int) -> None:
@@ -126,16 +123,16 @@ def _run(request: GenerateRequest, model, flags: RunFlags, given: set[str], mani
     try:
         job = prepare(request, model, flags, given, manifest)
         _warn_oversubscribed(job.plan.world)
-        view = None if as_json else StreamView(job.tokenizer, request.prompts)
+        view = None if as_json else StreamView(request.prompts)
 
-        def on_token(tokens: list[int]) -> None:
+        def on_event(row: int, event: TokenEvent) -> None:
             status.stop()
             if view is not None:
-                view.push(tokens)
+                view.push(row, event)
 
         status.start()
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())  # the ranks log at the driver's level
-        _, summary = run_generate(job, on_token=on_token, settings=Settings.from_env(log_level=level))
+        _, summary = run_generate(job, on_event=on_event, settings=Settings.from_env(log_level=level))
     except UserError as e:
         fail(str(e), status=status, view=view)
     except RankFailure as e:

@@ -105,9 +105,12 @@ inline void add_rows(float* y, const float* bias, const float* res, int64_t b, i
 
 // Attention half of a block for one new token per row.
 //   x (b, dim): block input; ln (dim): input norm weight; wq (hq*hd, dim), wk/wv (hkv*hd, dim)
-//   with optional biases; cos/sin (b, hd) for the new positions; kc/vc (b, hkv, max_len, hd): the
-//   layer's cache, written at slot `offset`; kv_map (hq,) int64: the KV head each query head reads;
-//   mask (b, offset+1) bool: the keys each row may attend (its own slot always set);
+//   with optional biases; cos/sin (b, hd) for the new positions; kc/vc (slots, hkv, max_len, hd):
+//   the layer's cache; row j of x reads and writes cache row rows[j] and its new key and value go to
+//   position positions[j] of it (rows and positions (b,) int64: rows of a static batch share one
+//   position, serving slots each have their own); kv_map (hq,) int64: the KV head each query head
+//   reads; mask (b, t) bool: the keys each row may attend, t = the largest position + 1 (its own
+//   position always set; a row's keys past its position are masked, so they cost nothing);
 //   wo (dim, hq*hd): the o projection (this rank's input columns under tensor parallelism).
 // Weights, norm weights, biases, rotary tables and the cache are all float32 or all bfloat16 (the
 // model's dtype); the arithmetic is float32 throughout and the cache and the result are stored in
@@ -119,22 +122,32 @@ template <typename W>
 torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wq, torch::Tensor wk,
                             torch::Tensor wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
                             std::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor kc, torch::Tensor vc, int64_t offset, torch::Tensor kv_map,
-                            torch::Tensor mask, torch::Tensor wo, std::optional<torch::Tensor> bo, bool finish) {
+                            torch::Tensor kc, torch::Tensor vc, torch::Tensor rows, torch::Tensor positions,
+                            torch::Tensor kv_map, torch::Tensor mask, torch::Tensor wo, std::optional<torch::Tensor> bo,
+                            bool finish) {
   const auto dtype = dtype_of<W>();
   for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}, {&wq, "q weight"}, {&wk, "k weight"},
                          {&wv, "v weight"}, {&cos, "cos"}, {&sin, "sin"}, {&kc, "key cache"}, {&vc, "value cache"},
                          {&wo, "o weight"}})
     check(*t, dtype, name);
   const int64_t b = x.size(0), dim = x.size(1), hd = kc.size(3), hkv = kc.size(1), max_len = kc.size(2);
-  const int64_t nq = wq.size(0), nk = wk.size(0), hq = nq / hd, t = offset + 1;
+  const int64_t nq = wq.size(0), nk = wk.size(0), hq = nq / hd, slots = kc.size(0);
   TORCH_CHECK(wq.size(1) == dim && wk.size(1) == dim && wv.size(1) == dim && nk == hkv * hd && wv.size(0) == nk &&
-                  nq % hd == 0 && kc.size(0) == b && vc.sizes() == kc.sizes() && cos.size(0) == b && cos.size(1) == hd,
+                  nq % hd == 0 && vc.sizes() == kc.sizes() && cos.size(0) == b && cos.size(1) == hd,
               "fused decode: inconsistent attention shapes");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong && rows.numel() == b &&
+                  positions.numel() == b && rows.is_contiguous() && positions.is_contiguous(),
+              "fused decode: rows and positions must be (b,) int64");
+  TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == b,
+              "fused decode: mask must be (b, t) bool");
+  const int64_t t = mask.size(1);
   TORCH_CHECK(t <= max_len, "KV cache holds ", max_len, " tokens; this step needs ", t, ". Raise max_len.");
   TORCH_CHECK(kv_map.scalar_type() == torch::kLong && kv_map.numel() == hq, "fused decode: kv_map must be (hq,) int64");
-  TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.numel() == b * t,
-              "fused decode: mask must be (b, offset+1) bool");
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  const int64_t* pos_of = positions.data_ptr<int64_t>();
+  for (int64_t j = 0; j < b; ++j)
+    TORCH_CHECK(row_of[j] >= 0 && row_of[j] < slots && pos_of[j] >= 0 && pos_of[j] < t, "fused decode: row ", j,
+                " writes slot ", row_of[j], " position ", pos_of[j], " outside ", slots, " slots x ", t, " positions");
   TORCH_CHECK(wo.size(0) == dim && wo.size(1) == nq, "fused decode: o weight is ", wo.sizes(), ", expected (", dim,
               ", ", nq, ")");
   const auto bo32 = finish ? bias_f32(bo, dim, "o bias") : torch::Tensor();
@@ -157,8 +170,8 @@ torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch
   rope_rows(kp, cos32.data_ptr<float>(), sin32.data_ptr<float>(), b, hkv, hd);
   W *kcp = mutable_data<W>(kc), *vcp = mutable_data<W>(vc);
   for (int64_t j = 0; j < b; ++j)
-    for (int64_t h = 0; h < hkv; ++h) {  // cache[j, h, offset, :] = k/v of the new token
-      const int64_t slot = ((j * hkv + h) * max_len + offset) * hd, src = (j * hkv + h) * hd;
+    for (int64_t h = 0; h < hkv; ++h) {  // cache[rows[j], h, positions[j], :] = k/v of the new token
+      const int64_t slot = ((row_of[j] * hkv + h) * max_len + pos_of[j]) * hd, src = (j * hkv + h) * hd;
       for (int64_t i = 0; i < hd; ++i) {
         kcp[slot + i] = store<W>(kp[src + i]);
         vcp[slot + i] = store<W>(vp[src + i]);
@@ -177,8 +190,8 @@ torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t j = task / hq, h = task % hq;
       const float* qv = qp + task * hd;  // (j, h) of q (b, hq, hd)
-      const W* keys = kcp + (j * hkv + map[h]) * max_len * hd;
-      const W* vals = vcp + (j * hkv + map[h]) * max_len * hd;
+      const W* keys = kcp + (row_of[j] * hkv + map[h]) * max_len * hd;
+      const W* vals = vcp + (row_of[j] * hkv + map[h]) * max_len * hd;
       const bool* allowed = mp + j * t;
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t s = 0; s < t; ++s) {
@@ -251,10 +264,11 @@ inline bool float_weights(const torch::Tensor& w) {
 inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wq, torch::Tensor wk,
                                  torch::Tensor wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
                                  std::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin,
-                                 torch::Tensor kc, torch::Tensor vc, int64_t offset, torch::Tensor kv_map,
-                                 torch::Tensor mask, torch::Tensor wo, std::optional<torch::Tensor> bo, bool finish) {
+                                 torch::Tensor kc, torch::Tensor vc, torch::Tensor rows, torch::Tensor positions,
+                                 torch::Tensor kv_map, torch::Tensor mask, torch::Tensor wo,
+                                 std::optional<torch::Tensor> bo, bool finish) {
   auto run = float_weights(wq) ? attn_decode_t<float> : attn_decode_t<uint16_t>;
-  return run(x, ln, eps, wq, wk, wv, bq, bk, bv, cos, sin, kc, vc, offset, kv_map, mask, wo, bo, finish);
+  return run(x, ln, eps, wq, wk, wv, bq, bk, bv, cos, sin, kc, vc, rows, positions, kv_map, mask, wo, bo, finish);
 }
 
 inline torch::Tensor mlp_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wg, torch::Tensor wu,

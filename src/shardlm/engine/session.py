@@ -20,6 +20,7 @@ from shardlm.checkpoint.headers import CheckpointError
 from shardlm.checkpoint.sharded import ShardedInfo, check_layout, is_sharded, read_info
 from shardlm.engine.checks import UserError, check_budget, check_runnable, for_device, model_folder
 from shardlm.engine.engine import GenerateResult, LocalEngine
+from shardlm.engine.requests import TokenEvent
 from shardlm.engine.text import encode_prompts, load_tokenizer, pad_id
 from shardlm.models.args import ModelConfigError
 from shardlm.models.inventory import parameter_count
@@ -178,12 +179,13 @@ def prepare(request: GenerateRequest, model: str | None, flags: RunFlags, given:
     return Job(plan, source, request, tok, ids)
 
 
-def run_generate(job: Job, on_token: Callable[[list[int]], None] | None = None,
+def run_generate(job: Job, on_event: Callable[[int, TokenEvent], None] | None = None,
                  settings: Settings | None = None) -> tuple[GenerateResult, dict]:
-    """Start the plan's ranks, generate, stop them; returns the result and a JSON-ready summary."""
+    """Start the plan's ranks, generate every prompt as a request of one engine, stop them; returns the
+    result and a JSON-ready summary. `on_event(i, event)` sees prompt i's text as it comes."""
     plan, req, tok = job.plan, job.request, job.tokenizer
-    with LocalEngine(plan, job.source, settings or Settings.from_env()) as engine:
-        result = engine.generate(job.prompt_ids, req.max_new_tokens, req.sampling, pad_id(tok), on_token=on_token,
+    with LocalEngine(plan, job.source, settings or Settings.from_env(), tokenizer=tok) as engine:
+        result = engine.generate(job.prompt_ids, req.max_new_tokens, req.sampling, pad_id(tok), on_event=on_event,
                                  ignore_eos=req.ignore_eos)
         load_s, ready, m = engine.load_s, engine.ready, engine.micro_batches(len(job.prompt_ids))
     return result, summarize(job, result, load_s, ready, m)

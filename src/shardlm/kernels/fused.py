@@ -52,9 +52,11 @@ class FusedDecode:
         self.ops, self.dtype = ops, dtype
 
     def applies(self, x: torch.Tensor, mask: torch.Tensor, cache) -> bool:
-        """Whether this call can run fused: one new token per row, few rows, on the CPU in this dtype."""
+        """Whether this call can run fused: one new token per row, few rows, on the CPU in this dtype, with a
+        cache that gives the kernel its rows and positions (`fused_target`)."""
         return cache is not None and x.shape[1] == 1 and x.dtype == self.dtype and x.device.type == "cpu" \
-            and x.shape[0] <= GEMV_MAX_ROWS and mask.dtype == torch.bool and mask.shape[-1] == cache.offset + 1
+            and x.shape[0] <= GEMV_MAX_ROWS and mask.dtype == torch.bool and mask.shape[-1] == cache.offset + 1 \
+            and hasattr(cache, "fused_target")
 
     def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                  cache) -> torch.Tensor | None:
@@ -72,10 +74,11 @@ class FusedDecode:
         o_split = hasattr(o, "ctx")  # row-parallel: partial sums to all-reduce
         norm = layer.input_layernorm
         x = x.reshape(b, dim)
+        kc, vc, rows, positions = cache.fused_target(attn.layer_id)  # the kernel writes row j at its position
         h = self.ops.attn_decode(x, norm.weight, norm.eps, weight_tensor(q), weight_tensor(k), weight_tensor(v),
-                                 q.bias, k.bias, v.bias, cos.reshape(b, -1), sin.reshape(b, -1),
-                                 cache.k[attn.layer_id], cache.v[attn.layer_id], cache.offset, attn.kv_map,
-                                 mask.reshape(b, -1), weight_tensor(o), o.bias, not o_split)  # (b, dim)
+                                 q.bias, k.bias, v.bias, cos.reshape(b, -1), sin.reshape(b, -1), kc, vc, rows,
+                                 positions, attn.kv_map, mask.reshape(b, -1), weight_tensor(o), o.bias,
+                                 not o_split)  # (b, dim)
         if o_split:
             h = _finish(x, h, o)
         down_split = hasattr(down, "ctx")

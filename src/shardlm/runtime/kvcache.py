@@ -22,6 +22,8 @@ class KVCache:
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
         self.max_len = max_len
         self.offset = 0
+        self._rows = torch.arange(batch)
+        self._positions = torch.zeros(batch, dtype=torch.long)
         self.slot: torch.Tensor | None = None
         """While set (see `static`), writes go to this slot and reads return every slot."""
 
@@ -46,6 +48,13 @@ class KVCache:
         self.k[layer_id][:, :, self.offset:end] = k
         self.v[layer_id][:, :, self.offset:end] = v
         return self.k[layer_id][:, :, :end], self.v[layer_id][:, :, :end]
+
+    def fused_target(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, cache row of each batch row, position its new token goes to) for the fused decode
+        kernel: row j is cache row j, and every row writes at `offset`."""
+        if int(self._positions[0]) != self.offset:
+            self._positions.fill_(self.offset)
+        return self.k[layer_id], self.v[layer_id], self._rows, self._positions
 
     def check_room(self, s: int) -> int:
         """The end slot after writing s more tokens; ValueError when the cache cannot hold them."""

@@ -1,11 +1,10 @@
-"""The rank process: join the group, build this rank's model, serve generate requests until told to stop.
+"""The rank process: join the group, build this rank's model, run the driver's steps until told to stop.
 
-Rank 0 takes requests from the driver's queue and broadcasts them to the other ranks. Without
-pipeline stages every rank runs the same steps (collectives inside the model keep them in
-lock-step) and samples the same token from identical logits with the same seed. With stages,
-`pipeline_step` moves micro-batches between them. Rank 0 (first stage) streams tokens back; every
-rank reports its stats, and the ranks that know the tokens report them, so the driver can check
-that they agree.
+Every rank has its own inbox: the driver puts each engine step (runtime/work.py) in all of them, and
+every rank runs it (collectives inside the model keep the ranks of a stage in lock-step; pipeline
+stages pass hidden states on). The rank that holds the LM head's full logits first (tp rank 0 of the
+last stage) reports what the step sampled. A rank with nothing to do waits on its inbox, with no
+deadline: the driver watches its heartbeat instead (engine/ranks.py).
 """
 
 from __future__ import annotations
@@ -32,10 +31,9 @@ from shardlm.parallel.pipeline import pipeline_context
 from shardlm.quant_spec import QuantizationError
 from shardlm.runtime.build import build_rank_model
 from shardlm.runtime.offload import OffloadError
-from shardlm.runtime.pipeline_step import pipeline_generate
-from shardlm.runtime.protocol import RankLaunch, Request
+from shardlm.runtime.protocol import RankLaunch
 from shardlm.runtime.rank_model import RankModel
-from shardlm.runtime.step import Batch, GenerationStats, generate
+from shardlm.runtime.serve_step import SlotRunner
 
 log = logging.getLogger(__name__)
 USER_ERRORS = (CheckpointError, ModelConfigError, QuantizationError, OffloadError, DeviceError)
@@ -81,7 +79,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rank_main(launch: RankLaunch, requests, results, listener=None) -> None:
+def rank_main(launch: RankLaunch, inbox, outbox, listener=None) -> None:
     """Entry point of a rank process; reports errors with their traceback instead of raising."""
     _die_with_parent()
     _steady_malloc()
@@ -90,13 +88,13 @@ def rank_main(launch: RankLaunch, requests, results, listener=None) -> None:
     logs.setup(launch.settings.log_level, logs.rank_label(spec.rank, spec.stage, spec.tp_rank))
     code = 0
     try:
-        _serve(launch, requests, results, listener)
+        _serve(launch, inbox, outbox, listener)
     except BaseException as e:  # noqa: BLE001 - report every failure to the driver, then exit non-zero
-        results.put(("error", spec.rank, f"{type(e).__name__}: {e}", traceback.format_exc(),
-                     isinstance(e, USER_ERRORS)))
+        outbox.put(("error", spec.rank, f"{type(e).__name__}: {e}", traceback.format_exc(),
+                    isinstance(e, USER_ERRORS)))
         code = 1
-    results.close()
-    results.join_thread()  # flush the last messages before exiting
+    outbox.close()
+    outbox.join_thread()  # flush the last messages before exiting
     # Skip the interpreter's teardown: with torch loaded it took 0.5 s of every command's wall time
     # (measured), and there is nothing left to clean up (scratch files, shared memory and the
     # process group were closed by _serve).
@@ -143,30 +141,35 @@ def _build(launch: RankLaunch, ctx: ParallelContext, device: str) -> RankModel:
                           "(--quantization int4)") from e
 
 
-def _ready_report(rank: RankModel, device: str) -> dict[str, Any]:
+def _ready_report(rank: RankModel, device: str, runner: SlotRunner) -> dict[str, Any]:
     """What a rank tells the driver once it is loaded."""
     return {"load_s": rank.stats.load_s, "peak_rss_bytes": peak_rss_bytes(), "device": device,
             "peak_gpu_bytes": peak_gpu_bytes(device), "rss_before_load_bytes": rank.stats.rss_before_load,
             "weight_bytes": rank.resident_bytes(), "streamed_layers": list(rank.streamed),
-            "streamed_bytes_per_step": rank.streamed_bytes_per_step(), "kernels": rank.kernels.describe()}
+            "streamed_bytes_per_step": rank.streamed_bytes_per_step(), "kernels": rank.kernels.describe(),
+            "kv_cache_bytes": runner.cache.nbytes()}
 
 
-def _serve(launch: RankLaunch, requests, results, listener) -> None:
+def _serve(launch: RankLaunch, inbox, outbox, listener) -> None:
     t0 = time.perf_counter()
     ctx, device = _setup(launch, listener)
     rank = _build(launch, ctx, device)
+    runner = SlotRunner(rank, ctx)
     ctx.stats.clear()  # collectives of the load (quantization statistics) are not a request's traffic
     dist.barrier()
     rank.stats.load_s = time.perf_counter() - t0
-    results.put(("ready", launch.spec.rank, _ready_report(rank, device)))
+    outbox.put(("ready", launch.spec.rank, _ready_report(rank, device, runner)))
     try:
         while True:
-            box = [requests.get() if launch.spec.rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            req: Request | None = box[0]
-            if req is None:
+            msg = inbox.get()
+            if msg is None:
                 return
-            _run(rank, req, ctx, results)
+            if msg == "stats":
+                outbox.put(("stats", launch.spec.rank, rank_stats(rank, ctx, runner)))
+                continue
+            result = runner.run(msg)
+            if result is not None:
+                outbox.put(("step", launch.spec.rank, result))
     finally:
         rank.close()
         if ctx.shm is not None:
@@ -174,28 +177,9 @@ def _serve(launch: RankLaunch, requests, results, listener) -> None:
         dist.destroy_process_group()
 
 
-def _run(rank: RankModel, req: Request, ctx: ParallelContext, results) -> None:
-    stats = GenerationStats()
+def rank_stats(rank: RankModel, ctx: ParallelContext, runner: SlotRunner) -> dict[str, Any]:
+    """This rank's counters so far: memory, collectives per op, streaming."""
     streamer = rank.streamer
-    before = streamer.stats.as_dict() if streamer is not None else None
-    on_token = (lambda tokens: results.put(("token", 0, tokens))) if rank.spec.rank == 0 else None
-    batch, eos = Batch.from_lists(req.prompts, req.pad_id), () if req.ignore_eos else rank.args.eos_token_ids
-    if ctx.pipe is None:
-        out = generate(rank, batch, req.max_new_tokens, req.sampling, eos, on_token=on_token, stats=stats)
-    else:
-        out = pipeline_generate(rank, ctx, batch, req.max_new_tokens, req.sampling, eos, req.micro_batches,
-                                on_token=on_token, stats=stats)
-    report: dict[str, Any] = {
-        "tokens": out, "prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
-        "prompt_tokens": stats.prompt_tokens, "decode_tokens": stats.decode_tokens,
-        "peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": peak_gpu_bytes(str(rank.device)),
-        "comms": ctx.snapshot(), "streaming": None,
-    }
-    if streamer is not None:
-        after = streamer.stats.as_dict()
-        delta = {k: after[k] - before[k]
-                 for k in ("bytes_read", "reads", "prefetch_hits", "prefetch_waits", "wait_s", "page_cache_hits")}
-        needed = delta["prefetch_hits"] + delta["prefetch_waits"]
-        delta["hit_rate"] = delta["prefetch_hits"] / needed if needed else None
-        report["streaming"] = delta
-    results.put(("done", rank.spec.rank, report))
+    return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": peak_gpu_bytes(str(rank.device)),
+            "comms": ctx.snapshot(), "weight_bytes": rank.resident_bytes(), "kv_cache_bytes": runner.cache.nbytes(),
+            "streaming": streamer.stats.as_dict() if streamer is not None else None}

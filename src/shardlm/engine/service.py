@@ -1,0 +1,253 @@
+"""Engine: a long-lived sharded model that serves requests with continuous batching.
+
+    with Engine(plan, source) as engine:                 # ranks start once, load, and stay up
+        req = engine.submit("The capital of France is", GenerationParams(max_tokens=8, temperature=0))
+        for event in engine.stream(req):                 # or: async for event in engine.astream(req)
+            print(event.text, end="")
+
+A scheduler thread on the driver runs steps: at every step boundary it admits waiting requests into
+free KV-cache slots and retires finished ones (scheduler.py), hands the step to every rank and applies
+what they sampled. Requests are validated at submission against the Plan's KV budget and the queue
+limit; a rank that fails, dies or hangs ends every request with an error naming it (ranks.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+from shardlm.engine.ranks import RankFailure, RankGroup
+from shardlm.engine.requests import GenerationParams, Request, RequestError, TokenEvent
+from shardlm.engine.scheduler import Scheduler
+from shardlm.engine.text import load_tokenizer
+from shardlm.models.source import ModelSource
+from shardlm.plan.plan import Plan
+from shardlm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """More requests wait than the engine's queue limit (an HTTP server answers 429)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is stopping or has stopped (a failed rank, or close()); `reason` says which."""
+
+
+@dataclass
+class EngineStats:
+    """What the engine is doing now, and has done."""
+
+    running: int
+    waiting: int
+    slots: int
+    steps: int
+    finished: dict[str, int]
+    healthy: bool
+    reason: str
+
+
+class Engine:
+    """Ranks of a Plan, started once, serving requests (see the module docstring)."""
+
+    def __init__(self, plan: Plan, source: ModelSource, settings: Settings | None = None, max_queue: int = 1024,
+                 threads: int | None = None, shm: bool = True, timeout_s: float = 300.0, tokenizer=None):
+        self.plan, self.source, self.max_queue = plan, source, max_queue
+        self.settings = settings or Settings.from_env()
+        self.group = RankGroup(plan, source, self.settings, threads, shm, timeout_s)
+        self.tokenizer = tokenizer
+        kv = plan.kv
+        self.scheduler = Scheduler(kv.max_batch, kv.max_seq_len, kv.prefill_chunk, source.args.eos_token_ids)
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._stats_asks: queue.Queue[queue.Queue] = queue.Queue()
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failure: RankFailure | None = None
+        self.started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "Engine":
+        """Spawn and load the ranks, then start the scheduler thread."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(Path(self.source.folder))
+        self.group.start()
+        self._thread = threading.Thread(target=self._loop, name="shardlm-scheduler", daemon=True)
+        self._thread.start()
+        self.started = True
+        return self
+
+    def close(self, drain_s: float = 0.0, force: bool = False) -> None:
+        """Stop admitting; let running requests finish for up to `drain_s` seconds, cancel the rest, stop the
+        ranks. `force` (an interrupt, an error in the caller) stops the ranks at once."""
+        if force:
+            self._closing_admission = True
+            self._closing.set()
+            self.group.stop(force=True)
+        deadline = time.monotonic() + drain_s
+        self._closing_admission = True
+        while drain_s and time.monotonic() < deadline and not self._drained() and self.failure is None:
+            time.sleep(0.05)
+        self._closing.set()  # the scheduler thread cancels what is left, then exits
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.group.stop(force=self.failure is not None)
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close(force=exc[0] is not None)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt: str | list[int], params: GenerationParams | None = None,
+               request_id: str | None = None, sink: queue.Queue | None = None) -> Request:
+        """Queue a request: a prompt (text, tokenized here) or its token ids. RequestError for a parameter
+        outside its range or a prompt the KV budget cannot hold; QueueFull; EngineClosed."""
+        if self.failure is not None or getattr(self, "_closing_admission", False) or not self.started:
+            raise EngineClosed(self.health()[1])
+        params = params or GenerationParams()
+        kv = self.plan.kv
+        params.validate(kv.max_seq_len)
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("prompt", "the prompt is empty; give at least one token")
+        vocab = self.source.args.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestError("prompt", f"prompt token ids must be integers in 0..{vocab - 1}")
+        if len(ids) + params.max_tokens > kv.max_seq_len:
+            raise RequestError("max_tokens", f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                                             f"{len(ids) + params.max_tokens} in all, but the engine holds "
+                                             f"{kv.max_seq_len} tokens per sequence (kv_cache.max_seq_len); "
+                                             "shorten the prompt or lower max_tokens")
+        if self._inbox.qsize() + len(self.scheduler.waiting) >= self.max_queue:
+            raise QueueFull(f"{self.max_queue} requests are already waiting (--max-queue); retry later")
+        req = Request(ids, params, sink=sink, **({"id": request_id} if request_id else {}))
+        self._inbox.put(req)
+        self._wake.set()
+        return req
+
+    def stream(self, req: Request, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Yield `req`'s events until its last one (finish_reason set)."""
+        while True:
+            event = req.events.get(timeout=timeout)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def astream(self, req: Request) -> AsyncIterator[TokenEvent]:
+        """`stream` for asyncio: the events of `req`, awaited without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                event = req.events.get_nowait()
+            except queue.Empty:
+                event = await loop.run_in_executor(None, req.events.get)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def cancel(self, req: Request) -> None:
+        """Stop `req` at the next step boundary and free its slot."""
+        req.cancel()
+        self._wake.set()
+
+    # ------------------------------------------------------------------ state
+
+    def health(self) -> tuple[bool, str]:
+        """(ready, reason): ready once every rank has loaded, until one fails or the engine closes."""
+        if self.failure is not None:
+            return False, f"a rank failed: {self.failure.summary}"
+        if self._closing.is_set() or getattr(self, "_closing_admission", False):
+            return False, "the engine is shutting down"
+        if not self.started:
+            return False, "the ranks are loading the model"
+        return True, "ok"
+
+    def stats(self) -> EngineStats:
+        """Requests running and waiting, slots, steps run, finished requests by reason, health."""
+        ok, reason = self.health()
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting) + self._inbox.qsize(), s.slots, s.step_id,
+                           dict(s.finished_by_reason), ok, reason)
+
+    # ------------------------------------------------------------------ the scheduler thread
+
+    def _loop(self) -> None:
+        try:
+            while not self._closing.is_set():
+                self._take_new()
+                step = self.scheduler.next_step()
+                if step.empty:
+                    self._wait_for_work()
+                    continue
+                self.group.send(step)
+                kind, _, result = self.group.receive(self.group.timeout_s)
+                self.scheduler.apply(step, result, self.tokenizer)
+                self._answer_stats()
+            self._take_new()
+            self.scheduler.cancel_all()
+        except RankFailure as e:
+            self.failure = e
+            log.error("%s", e.summary)
+            self.scheduler.fail_all(e.summary)
+        except BaseException as e:  # noqa: BLE001 - a driver bug: fail every request, keep the message
+            self.failure = RankFailure(f"the engine failed: {type(e).__name__}: {e}")
+            log.exception("the engine's scheduler failed")
+            self.scheduler.fail_all(str(self.failure))
+            self.group.stop(force=True)
+
+    def _drained(self) -> bool:
+        return self._inbox.empty() and self.scheduler.idle()
+
+    def rank_stats(self, timeout: float = 30.0) -> list[dict]:
+        """Every rank's counters (memory, collectives, streaming), asked for between two steps."""
+        box: queue.Queue = queue.Queue()
+        self._stats_asks.put(box)
+        self._wake.set()
+        return box.get(timeout=timeout)
+
+    def _answer_stats(self) -> None:
+        """Collect every rank's counters for each pending rank_stats() call."""
+        while True:
+            try:
+                box = self._stats_asks.get_nowait()
+            except queue.Empty:
+                return
+            self.group.send("stats")
+            got = {}
+            while len(got) < self.group.world:
+                kind, rank, payload = self.group.receive(self.group.timeout_s)
+                if kind == "stats":
+                    got[rank] = payload
+            box.put([got[r] for r in range(self.group.world)])
+
+    def _take_new(self) -> None:
+        while True:
+            try:
+                self.scheduler.add(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _wait_for_work(self) -> None:
+        """Idle: wait for a request or close(), checking the ranks' heartbeats meanwhile."""
+        while not self._closing.is_set() and self._inbox.empty() and not self._any_cancelled():
+            self._answer_stats()
+            if not self._stats_asks.empty():
+                continue
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+            self.group.check()
+
+    def _any_cancelled(self) -> bool:
+        return any(r.cancelled.is_set() for r in list(self.scheduler.waiting) + list(self.scheduler.running))
