@@ -106,6 +106,7 @@ def generate(
     offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Folder for streamed layers (default $SHARDLM_HOME/offload)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Read each streamed layer only when it is needed (for comparison)."),
     device: str = typer.Option("cpu", "--device", help="cpu, or cuda: rank r on GPU r mod the GPUs (NCCL when each rank has its own GPU; ranks sharing one use gloo). With --memory-budget, layers beyond it stay in pinned host memory."),
+    verify: str = typer.Option("changed", "--verify", help="Before any rank starts: full (sha256 + NaN scan of every file), changed (the same for files not verified in their current state on this machine; default), headers (no data read), none."),
 ) -> None:
     """Generate text on tp x pp ranks spawned on this machine; streams the completion to stdout."""
     given = {"tp": tp is not None, "pp": pp is not None, "layers": layers is not None,
@@ -115,7 +116,7 @@ def generate(
                            ignore_eos=ignore_eos, pp=pp or 1, layers=layer_counts(layers), micro_batches=micro_batches,
                            quantization=None if quantization in (None, "none") else quantization,
                            memory_budget=size_flag("--memory-budget", memory_budget), offload_dir=offload_dir, prefetch=not no_prefetch,
-                           device=device)
+                           device=device, verify=verify)
     if manifest:
         opts = _from_manifest(manifest, opts, given)
     tp, world = opts.tp, opts.world

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from shardlm.cli import _fail, app, size_flag
 from shardlm.checkpoint.headers import CheckpointError
+from shardlm.checkpoint.integrity import DEFAULT_VERIFY, VERIFY_HELP
 from shardlm.models.args import ModelConfigError
 
 out = Console()
@@ -72,13 +73,14 @@ def shard(model: str = typer.Argument(..., help="Model folder (or smollm2-135m f
           max_shard_size: str = typer.Option("2GB", help=SIZE_HELP),
           dtype: Optional[str] = typer.Option(None, help="Store weights as float32, bfloat16 or float16 (default: as stored)."),
           overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+          verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
           as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Write per-rank safetensors files for a plan: each rank's slices (TP and PP), size-capped, indexed."""
     from shardlm.checkpoint.shard import shard as do_shard
 
     tp, stages, doc = _layout_from_manifest(manifest)
     stats = _run(do_shard, _model_folder(model), Path(output), tp, stages, _size(max_shard_size), _dtype(dtype),
-                 overwrite, not as_json, doc)
+                 overwrite, not as_json, doc, verify=verify)
     _report(stats, "sharded", output, as_json)
 
 
@@ -88,6 +90,7 @@ def reshard(source: str = typer.Argument(..., help="Per-rank files written by `s
             output: str = typer.Option(..., "-o", "--output", help="Output folder (new or empty)."),
             max_shard_size: str = typer.Option("2GB", help=SIZE_HELP),
             overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+            verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
             as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Rewrite per-rank files for another plan, one tensor slice at a time (no consolidated copy in memory)."""
     from shardlm.checkpoint.sharded import is_sharded
@@ -97,7 +100,7 @@ def reshard(source: str = typer.Argument(..., help="Per-rank files written by `s
         _fail(f"{source} holds no per-rank files (no shardlm.json); use `shardlm shard {source} --manifest ...`")
     tp, stages, doc = _layout_from_manifest(manifest)
     stats = _run(do_shard, Path(source), Path(output), tp, stages, _size(max_shard_size), None, overwrite, not as_json,
-                 doc)
+                 doc, verify=verify)
     _report(stats, "resharded", output, as_json)
 
 
@@ -107,6 +110,7 @@ def consolidate(source: str = typer.Argument(..., help="Per-rank files written b
                 max_shard_size: str = typer.Option("2GB", help=SIZE_HELP),
                 dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: as stored)."),
                 overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+                verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
                 as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Join per-rank files back into a standard Hugging Face checkpoint (size-capped shards + index)."""
     from shardlm.checkpoint.sharded import is_sharded
@@ -116,7 +120,7 @@ def consolidate(source: str = typer.Argument(..., help="Per-rank files written b
         _fail(f"{source} holds no per-rank files (no shardlm.json); it is already an ordinary checkpoint "
               "(use `shardlm convert` to re-cap its files)")
     stats = _run(write_whole, Path(source), Path(output), _size(max_shard_size), _dtype(dtype), overwrite,
-                 not as_json, "consolidating")
+                 not as_json, "consolidating", verify=verify)
     _report(stats, "consolidated", output, as_json)
 
 
@@ -127,6 +131,7 @@ def convert(model: str = typer.Argument(..., help="Hugging Face model folder (or
             dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: as stored)."),
             quantization: Optional[str] = typer.Option(None, "--quantization", help="Store linear weights as int8 (per channel) or int4 (groups of 32)."),
             overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+            verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
             as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Rewrite a checkpoint as size-capped safetensors shards with an index (what Accelerate's save_model
     does), optionally with int8/int4 linear weights that `generate` loads as they are."""
@@ -135,7 +140,7 @@ def convert(model: str = typer.Argument(..., help="Hugging Face model folder (or
     if quantization not in (None, "none", "int8", "int4"):
         _fail(f"--quantization {quantization} is not supported; use int8 or int4")
     stats = _run(write_whole, _model_folder(model), Path(output), _size(max_shard_size), _dtype(dtype), overwrite,
-                 not as_json, "converting", None if quantization in (None, "none") else quantization)
+                 not as_json, "converting", None if quantization in (None, "none") else quantization, verify=verify)
     _report(stats, "converted", output, as_json)
 
 
@@ -149,10 +154,10 @@ def verify(folder: str = typer.Argument(..., help="A checkpoint written by shard
     rep = do_verify(folder, checksums=not no_checksums)
     if as_json:
         print(json.dumps({"folder": rep.folder, "kind": rep.kind, "ok": rep.ok, "problems": rep.problems,
-                          "files": rep.files, "bytes": rep.bytes, "tensors": rep.tensors}))
+                          "files": rep.files, "bytes": rep.bytes, "tensors": rep.tensors, "checked": rep.checked}))
     elif rep.ok:
         out.print(f"ok: {folder}: {rep.kind}; {rep.files} files, {rep.bytes / 1e6:.0f} MB, {rep.tensors or 'all'} "
-                  f"tensor slices checked{'' if no_checksums else ', sha256 match'}", highlight=False)
+                  f"tensor slices checked; {rep.checked}", highlight=False)
     else:
         from rich.markup import escape
 

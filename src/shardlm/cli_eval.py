@@ -13,6 +13,7 @@ from rich.table import Table
 from shardlm import bundled
 from shardlm.cli import _fail, app, err
 from shardlm.checkpoint.headers import CheckpointError
+from shardlm.checkpoint.verify import check_before_use
 from shardlm.models.args import ModelConfigError, read_config
 from shardlm.models.registry import args_for_config, require_runnable
 from shardlm.quant_spec import QuantizationError, check_kind
@@ -64,12 +65,13 @@ def perplexity(
         _fail(f"--text {text}: {e}; give a readable UTF-8 text file")
     try:
         folder = bundled.resolve_model(model)
+        check_before_use(folder)  # the checkpoint integrity check every read path runs (checkpoint/verify.py)
         family, args = args_for_config(read_config(folder))
         require_runnable(family, args)
         tok = load_tokenizer(folder)
         for q in quants:
             check_kind(q, device)
-    except (bundled.BundledModelError, ModelConfigError, QuantizationError) as e:
+    except (bundled.BundledModelError, ModelConfigError, QuantizationError, CheckpointError) as e:
         _fail(str(e))
     rows = []
     for d in dtypes:

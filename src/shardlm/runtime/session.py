@@ -13,6 +13,7 @@ from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
 from shardlm.checkpoint.sharded import check_layout, is_sharded
 from shardlm.checkpoint.headers import CheckpointError
+from shardlm.checkpoint.verify import check_before_use
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
 from shardlm.models.inventory import tensor_inventory
 from shardlm.models.registry import Family, args_for_config, require_runnable
@@ -66,6 +67,8 @@ class GenerateOptions:
     """Per stage, how many of its last layers stream from disk (from a manifest's offload.layers)."""
     device: str = "cpu"
     """"cpu" or "cuda" (rank r on GPU r mod the GPUs; NCCL when every rank has its own GPU)."""
+    verify: str = "changed"
+    """How much of the checkpoint is checked before a rank starts (checkpoint.integrity.VERIFY_MODES)."""
 
     @property
     def world(self) -> int:
@@ -212,6 +215,7 @@ def prepare(opts: GenerateOptions) -> Prepared:
         opts = replace(opts, quantization=stored)
     check_request(opts, family, args)
     try:
+        check_before_use(folder, opts.verify)
         if is_sharded(folder):
             check_layout(folder, opts.tp, opts.stage_layers(args.n_layers), args.n_layers)
         else:
