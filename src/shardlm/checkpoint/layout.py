@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardlm.checkpoint.headers import INDEX_NAME
+from shardlm.checkpoint.contain import inside
+from shardlm.checkpoint.headers import INDEX_NAME, CheckpointError
 from shardlm.checkpoint.reads import needed_names, param_reads, rank_meta_model
 from shardlm.checkpoint.sharded import INFO_NAME, ShardedInfo
 from shardlm.models.args import ModelArgs
@@ -22,23 +23,28 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 FIX = "rewrite the checkpoint with `shardlm shard` (or restore shardlm.json)"
 
 
+def stages_problem(stage_layers: tuple[tuple[int, int], ...], n_layers: int) -> str | None:
+    """Why `stage_layers` do not cover layers 0..n_layers in order, each stage non-empty; None when they do."""
+    pos = 0
+    for i, (a, b) in enumerate(stage_layers):
+        if a != pos or b <= a:
+            return (f"{[list(r) for r in stage_layers]} do not cover layers 0..{n_layers} in order, each stage "
+                    f"non-empty (stage {i} is {a}-{b})")
+        pos = b
+    if pos != n_layers:
+        return f"end at layer {pos} but config.json has {n_layers} layers"
+    return None
+
+
 def layout_problems(folder: Path, info: ShardedInfo, args: ModelArgs) -> list[str]:
     """What is wrong with shardlm.json's layout itself, checked against config.json and its rank list."""
     where = Path(folder) / INFO_NAME
     problems = []
     if info.tp < 1 or info.tp > args.n_heads:
         problems.append(f"{where}: layout.tp is {info.tp}, but it must be 1..{args.n_heads} (the attention heads); {FIX}")
-    pos = 0
-    for i, (a, b) in enumerate(info.stage_layers):
-        if a != pos or b <= a:
-            problems.append(f"{where}: layout.stage_layers {[list(r) for r in info.stage_layers]} do not cover layers "
-                            f"0..{args.n_layers} in order, each stage non-empty (stage {i} is {a}-{b}); {FIX}")
-            break
-        pos = b
-    else:
-        if pos != args.n_layers:
-            problems.append(f"{where}: layout.stage_layers end at layer {pos} but config.json has {args.n_layers} "
-                            f"layers; {FIX}")
+    stages = stages_problem(info.stage_layers, args.n_layers)
+    if stages:
+        problems.append(f"{where}: layout.stage_layers {stages}; {FIX}")
     if len(info.ranks) != info.tp * info.pp:
         problems.append(f"{where} lists {len(info.ranks)} ranks but tp {info.tp} x pp {info.pp} needs "
                         f"{info.tp * info.pp}; {FIX}")
@@ -78,6 +84,12 @@ def rank_problems(rank_dir: Path, rec: dict, info: ShardedInfo, family, args: Mo
     if got is None:
         return
     slices, weight_map = got
+    for name, fname in weight_map.items():
+        try:
+            inside(rank_dir, fname, f"the index {rank_dir / INDEX_NAME} (tensor {name!r})")
+        except CheckpointError as e:
+            rep.problems.append(str(e))
+            return
     coord = ShardCoord.for_model(args, rec["tp_rank"], info.tp)
     spec = StageSpec.of(info.stage_layers, rec["stage"]) if info.pp > 1 else None
     model = rank_meta_model(family, args, coord, spec)
@@ -109,8 +121,9 @@ def _stored_problem(rank_dir: Path, where: str, read, fname, rec: dict, files: d
     handle = files.get(fname) if isinstance(fname, str) else None
     if handle is None:  # a file shardlm.json records but that failed its checks is reported already
         if not isinstance(fname, str) or fname not in rec["files"]:
-            rep.problems.append(f"{where}: the index puts tensor {read.name!r} in {fname!r}, a file shardlm.json "
-                                "does not record")
+            msg = f"{where}: its index puts tensors (e.g. {read.name!r}) in {fname!r}, a file shardlm.json does not record"
+            if not any(p.startswith(msg.split(" (e.g.")[0]) and f"in {fname!r}," in p for p in rep.problems):
+                rep.problems.append(msg)
         return
     info = handle.header.get(read.name)
     if info is None:

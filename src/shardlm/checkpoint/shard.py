@@ -25,6 +25,7 @@ import torch
 from shardlm.checkpoint.check import check_checkpoint
 from shardlm.checkpoint.contain import inside
 from shardlm.checkpoint.integrity import DEFAULT_VERIFY
+from shardlm.checkpoint.layout import stages_problem
 from shardlm.checkpoint.output import check_target, output_folder
 from shardlm.checkpoint.quantized import stored_tensors
 from shardlm.checkpoint.reads import param_reads, rank_meta_model
@@ -173,6 +174,10 @@ def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int],
     family, args = args_for_config(cfg)
     require_runnable(family, args)
     stage_layers = tuple(stage_layers) or ((0, args.n_layers),)
+    wrong = stages_problem(stage_layers, args.n_layers)
+    if wrong:
+        raise CheckpointError(f"the plan's stages {wrong} of {source}: the manifest was planned for another model; "
+                              f"plan for this one (`shardlm plan {source} ...`)")
     reader = open_reader(source)
     try:
         check_checkpoint(source, family, args, reader)
