@@ -21,7 +21,10 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO]:
     """
     path = Path(path)
     perms = path.stat().st_mode & 0o777 if path.is_file() else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:  # name the file the caller asked for, not the temporary one
+        raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         text = {"encoding": "utf-8", "newline": "\n"} if "b" not in mode else {}
         with os.fdopen(fd, mode, **text) as f:

@@ -146,6 +146,8 @@ def test_generate_from_per_rank_files_matches_slicing(tmp_path):
     (["convert", "smollm2-135m", "-o", "{tmp}/c", "--max-shard-size", "12XB"], "--max-shard-size"),
     (["convert", "smollm2-135m", "-o", "{tmp}/c", "--dtype", "int3"], "--dtype int3 is not supported"),
     (["consolidate", "{tmp}", "-o", "{tmp}/c"], "no per-rank files"),
+    (["plan", "debug", "--devices", "2xcpu-4GB", "-o", "{tmp}/no/such/x.yaml"], "no/such/x.yaml; nothing was written"),
+    (["convert", "smollm2-135m", "-o", "{tmp}/c", "--verify", "quick"], "--verify quick is not a mode"),
 ])
 def test_bad_checkpoint_commands_exit_2(tmp_path, args, expect):
     res = run_cli(*[a.format(tmp=tmp_path) for a in args])
