@@ -389,3 +389,20 @@ def test_hub_cache_snapshot_symlinks_into_blobs_are_followed(made, tmp_path):
     check_before_use(snap)
     write_whole(snap, tmp_path / "out", MB, progress=False)
     assert verify(tmp_path / "out").ok and not (tmp_path / "out" / "config.json").is_symlink()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_nan_scan_counts_exactly_in_every_float_width(tmp_path, dtype):
+    import torch
+
+    from shardlm.checkpoint.integrity import scan_file
+    from shardlm.checkpoint.writer import Entry, write_file
+
+    dt = getattr(torch, dtype)
+    ones = torch.ones(100_000, dtype=dt)  # its float16 sum overflows: that alone must not count as Inf
+    bad = torch.zeros(1000, dtype=dt)
+    bad[3], bad[7], bad[9] = float("nan"), float("inf"), float("-inf")
+    path = tmp_path / "x.safetensors"
+    rec = write_file(path, [Entry("ones", dt, (100_000,), lambda: ones), Entry("bad", dt, (1000,), lambda: bad)])
+    res = scan_file(path)
+    assert res.nonfinite == {"bad": 3} and res.sha256 == rec["sha256"]
