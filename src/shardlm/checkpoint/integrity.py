@@ -119,8 +119,12 @@ def scan_file(path: Path) -> FileResult:
     return FileResult(path, digest.hexdigest(), nonfinite)
 
 
-def _stat_key(path: Path) -> str:
-    st = os.stat(path)
+def _stat_key(path: Path) -> str | None:
+    """What changes whenever the file's contents can have changed (ctime: no call sets it back); None if gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
@@ -144,16 +148,14 @@ class SeenFiles:
         rec = self.entries.get(os.path.realpath(path))
         if not isinstance(rec, dict):
             return None
-        try:
-            return rec.get("sha256") if rec.get("key") == _stat_key(path) else None
-        except OSError:
-            return None
+        key = _stat_key(path)
+        return rec.get("sha256") if key is not None and rec.get("key") == key else None
 
-    def remember(self, path: Path, sha256: str) -> None:
-        """Record `path` as verified in its current state."""
+    def remember(self, path: Path, sha256: str, key: str) -> None:
+        """Record `path` as verified in the state `key` (its stat key taken before it was read)."""
         real = os.path.realpath(path)
         self.entries.pop(real, None)  # re-inserted last: dict order is age order
-        self.entries[real] = {"key": _stat_key(path), "sha256": sha256}
+        self.entries[real] = {"key": key, "sha256": sha256}
         self.changed = True
 
     def save(self) -> None:
@@ -188,6 +190,7 @@ def check_contents(files: dict[Path, str | None], mode: str) -> tuple[list[str],
             skipped += 1
             if expected is not None and known != expected:
                 problems.append(_mismatch(path))
+    keys = {path: _stat_key(path) for path in todo}  # before reading: a file changed meanwhile is read again
     workers = max(1, min(4, os.cpu_count() or 1, len(todo)))
     with ThreadPoolExecutor(workers) as pool:  # hashlib and numpy release the GIL on large buffers
         results = list(pool.map(_scan_or_error, todo))
@@ -203,7 +206,8 @@ def check_contents(files: dict[Path, str | None], mode: str) -> tuple[list[str],
             problems.append(f"{path}: tensor {shown} holds NaN or Inf; the weights are corrupt (or diverged in "
                             "training): restore the file from its source")
         else:
-            seen.remember(path, res.sha256)
+            if keys[path] is not None:
+                seen.remember(path, res.sha256, keys[path])
     seen.save()
     return problems, len(todo), skipped
 
