@@ -101,18 +101,22 @@ class SafetensorsHeader:
         data section exactly: in bounds, no two tensors sharing bytes, no gap, nothing after the last."""
         data_len = self.size - self.data_start
         spans = sorted((_entry_span(self.path, name, info), name) for name, info in self.header.items())
-        pos, prev = 0, None
-        for (start, stop), name in spans:
+        end, last = 0, None
+        for (start, stop), name in spans:  # first pass: bounds and shared bytes, the dangerous lies
             if stop > data_len:
                 raise SafetensorsError(f"{self.path}: tensor {name!r} ends at byte {stop} of the data but the file "
                                        f"holds {data_len}; the file is truncated")
-            if start < pos:
-                raise SafetensorsError(f"{self.path}: tensors {prev!r} and {name!r} share bytes {start}..{pos} of "
-                                       "the data (overlapping data_offsets); the header is corrupt or forged")
+            if start < end:
+                raise SafetensorsError(f"{self.path}: tensors {last!r} and {name!r} share bytes {start}..{min(end, stop)} "
+                                       "of the data (overlapping data_offsets); the header is corrupt or forged")
+            if stop >= end:
+                end, last = stop, name
+        pos = 0
+        for (start, stop), name in spans:  # second pass: the tensors tile the data with no gap
             if start > pos:
                 raise SafetensorsError(f"{self.path}: bytes {pos}..{start} of the data belong to no tensor (before "
                                        f"{name!r}); the header lies about offsets")
-            pos, prev = stop, name
+            pos = stop
         if pos != data_len:
             raise SafetensorsError(f"{self.path} has {data_len - pos} bytes after its last tensor's data; the file "
                                    "was appended to or its header lies about offsets")
