@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.panel import Panel
 
+from shardlm.checkpoint.integrity import DEFAULT_VERIFY, VERIFY_HELP
 from shardlm.runtime.engine import RankFailure
 from shardlm.runtime.messages import SamplingParams
 from shardlm.runtime.session import GenerateOptions, UserError, prepare, run_generate
@@ -106,7 +107,7 @@ def generate(
     offload_dir: Optional[str] = typer.Option(None, "--offload-dir", help="Folder for streamed layers (default $SHARDLM_HOME/offload)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Read each streamed layer only when it is needed (for comparison)."),
     device: str = typer.Option("cpu", "--device", help="cpu, or cuda: rank r on GPU r mod the GPUs (NCCL when each rank has its own GPU; ranks sharing one use gloo). With --memory-budget, layers beyond it stay in pinned host memory."),
-    verify: str = typer.Option("changed", "--verify", help="Before any rank starts: full (sha256 + NaN scan of every file), changed (the same for files not verified in their current state on this machine; default), headers (no data read), none."),
+    verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
 ) -> None:
     """Generate text on tp x pp ranks spawned on this machine; streams the completion to stdout."""
     given = {"tp": tp is not None, "pp": pp is not None, "layers": layers is not None,

@@ -13,6 +13,7 @@ from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
 from shardlm.checkpoint.sharded import check_layout, is_sharded
 from shardlm.checkpoint.headers import CheckpointError
+from shardlm.checkpoint.integrity import DEFAULT_VERIFY
 from shardlm.checkpoint.verify import check_before_use
 from shardlm.models.args import ModelArgs, ModelConfigError, read_config
 from shardlm.models.inventory import tensor_inventory
@@ -67,7 +68,7 @@ class GenerateOptions:
     """Per stage, how many of its last layers stream from disk (from a manifest's offload.layers)."""
     device: str = "cpu"
     """"cpu" or "cuda" (rank r on GPU r mod the GPUs; NCCL when every rank has its own GPU)."""
-    verify: str = "changed"
+    verify: str = DEFAULT_VERIFY
     """How much of the checkpoint is checked before a rank starts (checkpoint.integrity.VERIFY_MODES)."""
 
     @property
