@@ -150,6 +150,7 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory(prefix="faults-bench-") as tmp:
         tmp = Path(tmp)
+        os.environ["SHARDLM_HOME"] = str(tmp / "home")  # its record of verified files, not the user's
         model = write_random_checkpoint(medium_config(opts.mb), tmp / "model", seed=1)
         tp2, tp3 = _manifest(model, tmp, 2), _manifest(model, tmp, 3)
         ranks = tmp / "ranks"
