@@ -35,7 +35,7 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO]:
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError) and not e.filename:  # a failed write names no file: name the target
+        if isinstance(e, OSError) and e.errno and not e.filename:  # a failed write names no file: name the target
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     _fsync_dir(path.parent)

@@ -104,7 +104,7 @@ def write_file(path: Path, entries: list[Entry], on_bytes: Callable[[int], None]
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and not e.filename:  # a failed write names no file: name the one being written
+        if isinstance(e, OSError) and e.errno and not e.filename:  # a failed write names no file: name the one being written
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     return {"bytes": total, "sha256": digest.hexdigest()}
