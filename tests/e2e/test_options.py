@@ -20,7 +20,8 @@ WORDS = {("generate", "dtype"), ("generate", "quantization"), ("generate", "devi
          ("inspect", "model"), ("plan", "model"), ("plan", "devices"), ("plan", "dtype"), ("plan", "quantization"),
          ("plan", "objective"), ("shard", "dtype"), ("consolidate", "dtype"), ("convert", "dtype"),
          ("convert", "quantization"), ("perplexity", "dtype"), ("perplexity", "quantization"),
-         ("perplexity", "device")}
+         ("perplexity", "device"), ("generate", "verify"), ("shard", "verify"), ("reshard", "verify"),
+         ("consolidate", "verify"), ("convert", "verify")}
 """Options that take a word from a short list (or free text) rather than a number or a path."""
 
 
@@ -137,6 +138,8 @@ BAD_WORDS = [
     (["plan", "smollm2-135m", "--max-seq-len", "100000"], "exceeds the model's 8192 positions"),
     (["plan", "nosuchmodel"], "unknown model preset"),
     (["perplexity", "--dtype", "float64"], "comma-separated list of float32, bfloat16"),
+    (["generate", "x", "--verify", "sometimes"], "--verify sometimes"),
+    (["shard", "smollm2-135m", "--manifest", "{manifest}", "-o", "{out}", "--verify", "maybe"], "--verify maybe"),
     (["convert", "smollm2-135m", "-o", "{out}", "--quantization", "int2"], "--quantization int2 is not supported"),
 ]
 

@@ -15,6 +15,14 @@ from shardlm.models.registry import Family
 from shardlm.quant_spec import checkpoint_quantization, is_quantizable, stored_shapes
 
 
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+"""Safetensors dtypes a float tensor may be stored as."""
+
+
+CODE_DTYPES = {"int8": ("I8",), "int4": ("U8",)}
+"""Dtypes of a quantized weight's codes (its scales and zeros are float)."""
+
+
 def check_checkpoint(folder: Path, family: Family, args: ModelArgs, reader=None) -> None:
     """Raise CheckpointError naming the file and tensor of the first problems found (up to 5).
 
@@ -36,10 +44,15 @@ def check_checkpoint(folder: Path, family: Family, args: ModelArgs, reader=None)
                     problems.append(f"tensor {want!r} is missing")
                     continue
                 shape = tuple(src.shape(want))
+                where = f" in {files[want].name}" if want in files else ""
                 if shape != want_shape:
-                    where = f" in {files[want].name}" if want in files else ""
                     problems.append(f"tensor {want!r}{where} has shape {list(shape)} but config.json "
                                     f"implies {list(want_shape)}")
+                allowed = CODE_DTYPES[kind] if want == ck and len(expected) > 1 else FLOAT_DTYPES
+                dtype = src.dtype_name(want)
+                if dtype not in allowed:
+                    problems.append(f"tensor {want!r}{where} is stored as {dtype} but it must be "
+                                    f"{'/'.join(allowed)}; the header was altered or the file is not this model's")
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise CheckpointError(f"checkpoint {folder} does not match its config.json: " + "; ".join(problems[:5]) + more

@@ -27,6 +27,42 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read as the model needs; the message names file, tensor and fix."""
 
 
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """json object hook: a header naming one key twice hides a tensor, so it is refused."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the header names {key!r} twice")
+        out[key] = value
+    return out
+
+
+def _entry_span(path: Path, name: str, info: object) -> tuple[int, int]:
+    """(start, stop) of one header entry's data, after checking dtype, shape and offsets agree."""
+    if not isinstance(info, dict):
+        raise SafetensorsError(f"{path}: header entry {name!r} is not an object; the header is corrupt")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    itemsize = ITEMSIZES.get(dtype) if isinstance(dtype, str) else None
+    if itemsize is None:
+        raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r} (known: "
+                               f"{', '.join(ITEMSIZES)})")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise SafetensorsError(f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of sizes >= 0")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise SafetensorsError(f"{path}: tensor {name!r} has data_offsets {offsets!r}; they must be [start, stop] "
+                               "with 0 <= start <= stop")
+    start, stop = offsets
+    numel = 1
+    for d in shape:
+        numel *= d
+    if stop - start != numel * itemsize:
+        raise SafetensorsError(f"{path}: tensor {name!r} header says offsets {start}..{stop} ({stop - start} bytes) "
+                               f"for shape {shape} {dtype}, which is {numel * itemsize} bytes; the header lies about "
+                               "offsets")
+    return start, stop
+
+
 class SafetensorsHeader:
     """The validated header of one safetensors file, with its descriptor left open for reads."""
 
@@ -51,29 +87,39 @@ class SafetensorsHeader:
             raise SafetensorsError(f"{self.path} declares a {n}-byte header but is only {self.size} bytes; "
                                    "the file is truncated or not safetensors")
         try:
-            header = json.loads(os.pread(self.fd, n, 8))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            header = json.loads(os.pread(self.fd, n, 8), object_pairs_hook=_no_duplicates)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise SafetensorsError(f"{self.path} has an unreadable header ({e}); the file is not safetensors") from e
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{self.path}: the header is a JSON {type(header).__name__}, not an object; "
+                                   "the file is not safetensors")
         header.pop("__metadata__", None)
         return header, 8 + n
 
     def _validate(self) -> None:
+        """Every entry well-formed, dtype x shape = its byte length, and the data regions tiling the
+        data section exactly: in bounds, no two tensors sharing bytes, no gap, nothing after the last."""
         data_len = self.size - self.data_start
-        for name, info in self.header.items():
-            itemsize = ITEMSIZES.get(info.get("dtype"))
-            if itemsize is None:
-                raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-            start, stop = info["data_offsets"]
-            numel = 1
-            for d in info["shape"]:
-                numel *= d
-            if stop - start != numel * itemsize or not 0 <= start <= stop:
-                raise SafetensorsError(f"{self.path}: tensor {name!r} header says offsets {start}..{stop} for "
-                                       f"shape {info['shape']} {info['dtype']}, which is {numel * itemsize} "
-                                       "bytes; the header lies about offsets")
+        spans = sorted((_entry_span(self.path, name, info), name) for name, info in self.header.items())
+        end, last = 0, None
+        for (start, stop), name in spans:  # first pass: bounds and shared bytes, the dangerous lies
             if stop > data_len:
                 raise SafetensorsError(f"{self.path}: tensor {name!r} ends at byte {stop} of the data but the file "
                                        f"holds {data_len}; the file is truncated")
+            if start < end:
+                raise SafetensorsError(f"{self.path}: tensors {last!r} and {name!r} share bytes {start}..{min(end, stop)} "
+                                       "of the data (overlapping data_offsets); the header is corrupt or forged")
+            if stop >= end:
+                end, last = stop, name
+        pos = 0
+        for (start, stop), name in spans:  # second pass: the tensors tile the data with no gap
+            if start > pos:
+                raise SafetensorsError(f"{self.path}: bytes {pos}..{start} of the data belong to no tensor (before "
+                                       f"{name!r}); the header lies about offsets")
+            pos = stop
+        if pos != data_len:
+            raise SafetensorsError(f"{self.path} has {data_len - pos} bytes after its last tensor's data; the file "
+                                   "was appended to or its header lies about offsets")
 
     def close(self) -> None:
         """Close the descriptor (idempotent)."""
@@ -102,15 +148,19 @@ def open_checked(path: Path, cls: type[SafetensorsHeader] = SafetensorsHeader) -
 
 def weight_files(folder: Path) -> dict[str, Path]:
     """Map tensor name -> safetensors file, from the index JSON if present, else from file headers."""
+    from shardlm.checkpoint.contain import inside  # contain.py imports this module's errors
+
     folder = Path(folder)
-    index = folder / INDEX_NAME
+    index = inside(folder, INDEX_NAME, f"the folder {folder}")
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid index (needs a 'weight_map' object): {e}") from e
-        return {name: folder / fname for name, fname in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} is not a valid index: 'weight_map' must map tensor names to file names")
+        return {name: inside(folder, fname, f"the index {index} (tensor {name!r})") for name, fname in weight_map.items()}
+    files = [inside(folder, f.name, f"the folder entry {f}") for f in sorted(folder.glob("*.safetensors"))]
     if not files:
         raise CheckpointError(
             f"{folder} holds no safetensors weights (model.safetensors or an indexed set of shards); "
@@ -162,3 +212,7 @@ class HeaderSource:
     def shape(self, name: str) -> tuple[int, ...]:
         """Full shape of tensor `name` as recorded in its file header."""
         return self._handle(name).shape(name)
+
+    def dtype_name(self, name: str) -> str:
+        """Safetensors dtype of tensor `name` as recorded in its file header, e.g. "F32"."""
+        return self._handle(name).header[name]["dtype"]

@@ -37,6 +37,10 @@ class PlainReader:
         """Stored dtype of `name`."""
         return self.src.dtype(name)
 
+    def dtype_name(self, name: str) -> str:
+        """Stored safetensors dtype of `name`, e.g. "F32"."""
+        return self.src.dtype_name(name)
+
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """One slice of `name`."""
         return self.src.read(name, slices)
@@ -82,6 +86,10 @@ class PerRankReader:
     def dtype(self, name: str) -> torch.dtype:
         """Stored dtype of `name`."""
         return self._src(self.pieces[name][0][0]).dtype(name)
+
+    def dtype_name(self, name: str) -> str:
+        """Stored safetensors dtype of `name` (as the first rank holding it stores it), e.g. "F32"."""
+        return self._src(self.pieces[name][0][0]).dtype_name(name)
 
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """The slice of the full tensor `name`, copied together from the pieces that overlap it."""

@@ -2,16 +2,16 @@
 
 Every operation reads one tensor slice at a time from an `open_reader` source (an ordinary
 checkpoint or per-rank files) and writes it with `writer.write_group`, so the model is never held
-in memory. Output goes into the target folder under temporary names; the commit record (the index
-for an HF folder, shardlm.json for per-rank files) is written last, so an interrupted run leaves
-no checkpoint there, never a partial one that loads.
+in memory. The source is checked before anything is read (verify.check_before_use, as `verify`
+says) and the whole output, metadata included, is built in a temporary folder beside the target
+and renamed into place at the end (output.output_folder): a refusal, a full disk or a kill leaves
+no output folder, or the old one untouched.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import re
 import shutil
 import time
@@ -22,18 +22,23 @@ from typing import Callable, Iterator
 
 import torch
 
-from shardlm.atomic import atomic_file
 from shardlm.checkpoint.check import check_checkpoint
+from shardlm.checkpoint.contain import inside
+from shardlm.checkpoint.integrity import DEFAULT_VERIFY
+from shardlm.checkpoint.layout import stages_problem
+from shardlm.checkpoint.output import check_target, output_folder
 from shardlm.checkpoint.quantized import stored_tensors
 from shardlm.checkpoint.reads import param_reads, rank_meta_model
 from shardlm.checkpoint.readers import open_reader, source_identity
 from shardlm.checkpoint.sharded import INFO_NAME, ShardedInfo, rank_dir_name
 from shardlm.checkpoint.headers import INDEX_NAME, CheckpointError
-from shardlm.checkpoint.writer import TMP_MARK, Entry, tmp_name, write_group
+from shardlm.checkpoint.verify import check_before_use
+from shardlm.checkpoint.writer import Entry, write_group
 from shardlm.models.args import read_config
 from shardlm.models.registry import args_for_config, require_runnable
 from shardlm.parallel.stages import StageSpec
 from shardlm.parallel.styles import ShardCoord
+from shardlm.plan.layout import ParallelLayout
 from shardlm.quant import ACT_DTYPE
 from shardlm.quant_spec import checkpoint_quantization, config_entry, is_quantizable, stored_shapes
 
@@ -56,32 +61,6 @@ class WriteStats:
 
 def _natural(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def _ours(path: Path) -> bool:
-    """Files and folders a shardlm writer puts in an output folder (what --overwrite may remove)."""
-    n = path.name
-    return (n == INFO_NAME or n == INDEX_NAME or n.endswith(".safetensors") or TMP_MARK in n
-            or (path.is_dir() and n.startswith("rank-")))
-
-
-def prepare_output(out: Path, source: Path, overwrite: bool) -> None:
-    """Create `out`, refusing a non-empty folder unless `overwrite` (then its checkpoint is removed, commit record first)."""
-    out, source = Path(out).resolve(), Path(source).resolve()
-    if out == source or source in out.parents or out in source.parents:
-        raise CheckpointError(f"the output folder {out} overlaps the input {source}; write to a separate folder")
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out} is a file, not a folder; choose another output path")
-    entries = list(out.iterdir()) if out.exists() else []
-    if entries and not overwrite:
-        raise CheckpointError(f"the output folder {out} is not empty ({len(entries)} entries); choose an empty or new "
-                              "folder, or pass --overwrite to replace the checkpoint in it")
-    for commit in (out / INFO_NAME, out / INDEX_NAME):
-        commit.unlink(missing_ok=True)  # first: from here on the folder holds no checkpoint until the new one commits
-    for p in entries:
-        if p.exists() and _ours(p):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def _quantized_entries(reader, names: list[str], dtype: str | None, kind: str) -> list[Entry]:
@@ -113,16 +92,19 @@ def _quantized_entries(reader, names: list[str], dtype: str | None, kind: str) -
 
 
 def copy_model_files(source: Path, out: Path) -> None:
-    """Copy config.json, tokenizer and other non-weight files from the source root (each atomically)."""
+    """Copy config.json, tokenizer and other non-weight files from the source root into `out`.
+
+    Each is held to containment first (a symlink leading out of the source is refused, not copied).
+    `out` is the temporary build folder, so these files commit with the weights or not at all.
+    """
     for f in sorted(Path(source).iterdir()):
-        if not f.is_file() or f.name in (INFO_NAME, INDEX_NAME) or f.name.startswith("."):
+        if f.name in (INFO_NAME, INDEX_NAME) or f.name.startswith("."):
             continue
         if f.suffix in WEIGHT_SUFFIXES or f.name.endswith(".index.json"):
             continue
-        dst = out / f.name
-        tmp = tmp_name(dst)
-        shutil.copyfile(f, tmp)
-        os.replace(tmp, dst)
+        path = inside(source, f.name, f"the folder entry {f}")
+        if path.is_file():
+            shutil.copyfile(path, out / f.name)
 
 
 @contextmanager
@@ -144,14 +126,49 @@ def _out_dtype(dtype: str | None, stored: torch.dtype) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def _rank_reads(family, args, reader, tp: int, stage_layers: tuple[tuple[int, int], ...]) -> list[tuple]:
+    """(rank, stage, tp_rank, [TensorRead]) for every rank of tp x len(stage_layers) (one replica: its ranks
+    numbered as the plan's ParallelLayout numbers them)."""
+    pp, plans = len(stage_layers), []
+    devices = ((tuple(f"0:{s * tp + t}" for t in range(tp)) for s in range(pp)),)
+    layout = ParallelLayout(tp, pp, 1, tuple(stage_layers), tuple(tuple(d) for d in devices))
+    for c in layout.coords():
+        coord = ShardCoord.for_model(args, c.tp_rank, tp)
+        spec = StageSpec.of(stage_layers, c.stage) if pp > 1 else None
+        reads = [r for _, r in param_reads(rank_meta_model(family, args, coord, spec), family, coord, reader.shape)]
+        plans.append((c.rank, c.stage, c.tp_rank, reads))
+    return plans
+
+
+def _write_ranks(reader, plans: list[tuple], out: Path, max_bytes: int, dtype: str | None, label: str,
+                 progress: bool, stats: WriteStats) -> list[dict]:
+    """Write every rank's files under `out`; returns shardlm.json's rank records."""
+    total = sum(Entry(r.name, _out_dtype(dtype, reader.dtype(r.name)), r.local_shape, None).nbytes
+                for p in plans for r in p[3])
+    ranks = []
+    with _progress(total, label, progress) as advance:
+        for rank, stage, tp_rank, reads in plans:
+            entries = [Entry(r.name, _out_dtype(dtype, reader.dtype(r.name)), r.local_shape,
+                             lambda r=r: reader.read(r.name, r.slices)) for r in reads]
+            meta = {"shardlm_slices": {r.name: {"shape": list(r.shape), "slices": r.ranges()} for r in reads}}
+            files = write_group(out / rank_dir_name(rank), entries, max_bytes, meta, advance)
+            ranks.append({"rank": rank, "stage": stage, "tp_rank": tp_rank, "dir": rank_dir_name(rank), "files": files})
+            stats.bytes_written += sum(f["bytes"] for f in files.values())
+            stats.files += len(files)
+    return ranks
+
+
 def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int], ...], max_bytes: int,
           dtype: str | None = None, overwrite: bool = False, progress: bool = True,
-          plan: dict | None = None) -> WriteStats:
+          plan: dict | None = None, verify: str = DEFAULT_VERIFY) -> WriteStats:
     """Write per-rank files for tp x len(stage_layers) ranks from `source` (ordinary or per-rank files).
 
-    `plan` (the manifest as parsed YAML) is recorded in shardlm.json beside the layout.
+    `plan` (the manifest as parsed YAML) is recorded in shardlm.json beside the layout; `verify`
+    is how much of `source` is checked before use (integrity.VERIFY_MODES).
     """
     source, out = Path(source), Path(out)
+    check_target(out, source, overwrite)
+    check_before_use(source, verify)
     cfg = read_config(source)
     if checkpoint_quantization(cfg):
         raise CheckpointError(f"{source} is a quantized checkpoint; per-rank files are written from float "
@@ -160,37 +177,23 @@ def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int],
     family, args = args_for_config(cfg)
     require_runnable(family, args)
     stage_layers = tuple(stage_layers) or ((0, args.n_layers),)
-    pp = len(stage_layers)
+    wrong = stages_problem(stage_layers, args.n_layers)
+    if wrong:
+        raise CheckpointError(f"the plan's stages {wrong} of {source}: the manifest was planned for another model; "
+                              f"plan for this one (`shardlm plan {source} ...`)")
     reader = open_reader(source)
     try:
         check_checkpoint(source, family, args, reader)
-        plans = []
-        for rank in range(tp * pp):
-            stage, tp_rank = divmod(rank, tp)
-            coord = ShardCoord.for_model(args, tp_rank, tp)
-            spec = StageSpec.of(stage_layers, stage) if pp > 1 else None
-            reads = [r for _, r in param_reads(rank_meta_model(family, args, coord, spec), family, coord, reader.shape)]
-            plans.append((rank, stage, tp_rank, reads))
-        prepare_output(out, source, overwrite)
-        copy_model_files(source, out)
-        total = sum(Entry(r.name, _out_dtype(dtype, reader.dtype(r.name)), r.local_shape, None).nbytes
-                    for p in plans for r in p[3])
-        stats, t0, ranks = WriteStats(), time.perf_counter(), []
-        with _progress(total, f"sharding for tp {tp} x pp {pp}", progress) as advance:
-            for rank, stage, tp_rank, reads in plans:
-                entries = [Entry(r.name, _out_dtype(dtype, reader.dtype(r.name)), r.local_shape,
-                                 lambda r=r: reader.read(r.name, r.slices)) for r in reads]
-                meta = {"shardlm_slices": {r.name: {"shape": list(r.shape), "slices": r.ranges()} for r in reads}}
-                files = write_group(out / rank_dir_name(rank), entries, max_bytes, meta, advance)
-                ranks.append({"rank": rank, "stage": stage, "tp_rank": tp_rank, "dir": rank_dir_name(rank),
-                              "files": files})
-                stats.bytes_written += sum(f["bytes"] for f in files.values())
-                stats.files += len(files)
-        info = ShardedInfo(tp, stage_layers, dtype or "as-stored",
-                           {"path": str(source.resolve()), "identity": source_identity(source, reader),
-                            "written": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}, ranks, plan)
-        with atomic_file(out / INFO_NAME) as f:
-            json.dump(info.to_json(), f, indent=1)
+        plans = _rank_reads(family, args, reader, tp, stage_layers)
+        stats, t0 = WriteStats(), time.perf_counter()
+        with output_folder(out, source, overwrite) as tmp:
+            copy_model_files(source, tmp)
+            ranks = _write_ranks(reader, plans, tmp, max_bytes, dtype, f"sharding for tp {tp} x pp {len(stage_layers)}",
+                                 progress, stats)
+            info = ShardedInfo(tp, stage_layers, dtype or "as-stored",
+                               {"path": str(source.resolve()), "identity": source_identity(source, reader),
+                                "written": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}, ranks, plan)
+            (tmp / INFO_NAME).write_text(json.dumps(info.to_json(), indent=1))
         stats.seconds = time.perf_counter() - t0
         return stats
     finally:
@@ -198,14 +201,18 @@ def shard(source: Path, out: Path, tp: int, stage_layers: tuple[tuple[int, int],
 
 
 def write_whole(source: Path, out: Path, max_bytes: int, dtype: str | None = None, overwrite: bool = False,
-                progress: bool = True, label: str = "writing", quantization: str | None = None) -> WriteStats:
+                progress: bool = True, label: str = "writing", quantization: str | None = None,
+                verify: str = DEFAULT_VERIFY) -> WriteStats:
     """Write the whole model from `source` (ordinary or per-rank files) as size-capped HF shards + index.
 
-    The index metadata records each file's sha256 (`shardlm_sha256`) for `shardlm verify`. With
-    `quantization` ("int8"/"int4") the linear weights are stored quantized (checkpoint/quantized.py),
-    one weight in memory at a time, and config.json records it.
+    The index metadata records each file's bytes and sha256 (`shardlm_files`) for `shardlm verify`.
+    With `quantization` ("int8"/"int4") the linear weights are stored quantized (checkpoint/quantized.py),
+    one weight in memory at a time, and config.json records it. `verify` is how much of `source`
+    is checked before use (integrity.VERIFY_MODES).
     """
     source, out = Path(source), Path(out)
+    check_target(out, source, overwrite)
+    check_before_use(source, verify)
     cfg = read_config(source)
     family, args = args_for_config(cfg)
     if quantization and checkpoint_quantization(cfg):
@@ -215,20 +222,21 @@ def write_whole(source: Path, out: Path, max_bytes: int, dtype: str | None = Non
     try:
         names = sorted(reader.names(), key=_natural)
         check_checkpoint(source, family, args, reader)
-        prepare_output(out, source, overwrite)
-        copy_model_files(source, out)
         if quantization:
             entries = _quantized_entries(reader, names, dtype, quantization)
-            with atomic_file(out / "config.json") as f:
-                f.write(json.dumps({**cfg, "quantization_config": config_entry(quantization)}, indent=2))
         else:
             # a quantized source's scales and zeros stay bfloat16 whatever --dtype says (the kernels' format)
             keep = lambda n: n.endswith((".weight_scale", ".weight_zero"))  # noqa: E731
             entries = [Entry(n, _out_dtype(None if keep(n) else dtype, reader.dtype(n)), reader.shape(n),
                              lambda n=n: reader.read(n, tuple(slice(0, d) for d in reader.shape(n)))) for n in names]
         stats, t0 = WriteStats(), time.perf_counter()
-        with _progress(sum(e.nbytes for e in entries), label, progress) as advance:
-            files = write_group(out, entries, max_bytes, None, advance, checksums_in_index=True)
+        with output_folder(out, source, overwrite) as tmp:
+            copy_model_files(source, tmp)
+            if quantization:
+                (tmp / "config.json").write_text(json.dumps({**cfg, "quantization_config": config_entry(quantization)},
+                                                            indent=2))
+            with _progress(sum(e.nbytes for e in entries), label, progress) as advance:
+                files = write_group(tmp, entries, max_bytes, None, advance, checksums_in_index=True)
         stats.bytes_written = sum(f["bytes"] for f in files.values())
         stats.files = len(files)
         stats.seconds = time.perf_counter() - t0

@@ -99,7 +99,7 @@ def read_rank_index(folder: Path, rank: int) -> tuple[Path, dict[str, dict]]:
     if not 0 <= rank < len(info.ranks):
         raise CheckpointError(f"{folder} holds files for {len(info.ranks)} ranks ({info.describe()}) but rank {rank} "
                               "asked for its own; reshard it for this plan with `shardlm reshard`")
-    rank_dir = Path(folder) / info.ranks[rank]["dir"]
+    rank_dir = rank_folder(folder, info.ranks[rank], rank)
     index = rank_dir / INDEX_NAME
     try:
         slices = json.loads(index.read_text())["metadata"]["shardlm_slices"]
@@ -108,6 +108,16 @@ def read_rank_index(folder: Path, rank: int) -> tuple[Path, dict[str, dict]]:
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index} is not a per-rank index (needs metadata.shardlm_slices): {e}") from e
     return rank_dir, slices
+
+
+def rank_folder(folder: Path, record: object, rank: int) -> Path:
+    """The folder shardlm.json names for `rank`, refused (CheckpointError) unless it lies inside `folder`."""
+    from shardlm.checkpoint.contain import inside
+
+    where = f"{Path(folder) / INFO_NAME} (rank {rank}'s \"dir\")"
+    if not isinstance(record, dict) or not isinstance(record.get("dir"), str):
+        raise CheckpointError(f"{where} is missing or not a folder name; rewrite the checkpoint with `shardlm shard`")
+    return inside(folder, record["dir"], where)
 
 
 def check_layout(folder: Path, tp: int, stage_layers: tuple[tuple[int, int], ...], n_layers: int) -> None:

@@ -102,8 +102,10 @@ def write_file(path: Path, entries: list[Entry], on_bytes: Callable[[int], None]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno and not e.filename:  # a failed write names no file: name the one being written
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     return {"bytes": total, "sha256": digest.hexdigest()}
 

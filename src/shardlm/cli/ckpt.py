@@ -12,6 +12,7 @@ from shardlm.checkpoint.headers import CheckpointError
 from shardlm.cli import options as o
 from shardlm.cli.common import out
 from shardlm.cli.common import fail as _fail
+from shardlm.checkpoint.integrity import DEFAULT_VERIFY, VERIFY_HELP
 from shardlm.models.args import ModelConfigError
 
 SIZE_HELP = "Largest data file, e.g. 2GB or 500MB (GB means GiB)."
@@ -67,13 +68,14 @@ def shard(model: str = typer.Argument(..., parser=o.ModelPath(), help="Model fol
           max_shard_size: int = typer.Option("2GB", parser=o.SHARD_SIZE, help=SIZE_HELP),
           dtype: Optional[str] = typer.Option(None, help="Store weights as float32, bfloat16 or float16 (default: as stored)."),
           overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+          verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
           as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Write per-rank safetensors files for a plan: each rank's slices (TP and PP), size-capped, indexed."""
     from shardlm.checkpoint.shard import shard as do_shard
 
     tp, stages, doc = _layout_from_manifest(manifest)
     stats = _run(do_shard, _model_folder(model), Path(output), tp, stages, max_shard_size, _dtype(dtype),
-                 overwrite, not as_json, doc)
+                 overwrite, not as_json, doc, verify=verify)
     _report(stats, "sharded", output, as_json)
 
 
@@ -82,6 +84,7 @@ def reshard(source: str = typer.Argument(..., parser=o.ExistingPath("folder"), h
             output: str = typer.Option(..., "-o", "--output", parser=o.NewPath("folder"), help="Output folder (new or empty)."),
             max_shard_size: int = typer.Option("2GB", parser=o.SHARD_SIZE, help=SIZE_HELP),
             overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+            verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
             as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Rewrite per-rank files for another plan, one tensor slice at a time (no consolidated copy in memory)."""
     from shardlm.checkpoint.sharded import is_sharded
@@ -91,7 +94,7 @@ def reshard(source: str = typer.Argument(..., parser=o.ExistingPath("folder"), h
         _fail(f"{source} holds no per-rank files (no shardlm.json); use `shardlm shard {source} --manifest ...`")
     tp, stages, doc = _layout_from_manifest(manifest)
     stats = _run(do_shard, Path(source), Path(output), tp, stages, max_shard_size, None, overwrite, not as_json,
-                 doc)
+                 doc, verify=verify)
     _report(stats, "resharded", output, as_json)
 
 
@@ -100,6 +103,7 @@ def consolidate(source: str = typer.Argument(..., parser=o.ExistingPath("folder"
                 max_shard_size: int = typer.Option("2GB", parser=o.SHARD_SIZE, help=SIZE_HELP),
                 dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: as stored)."),
                 overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+                verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
                 as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Join per-rank files back into a standard Hugging Face checkpoint (size-capped shards + index)."""
     from shardlm.checkpoint.sharded import is_sharded
@@ -109,7 +113,7 @@ def consolidate(source: str = typer.Argument(..., parser=o.ExistingPath("folder"
         _fail(f"{source} holds no per-rank files (no shardlm.json); it is already an ordinary checkpoint "
               "(use `shardlm convert` to re-cap its files)")
     stats = _run(write_whole, Path(source), Path(output), max_shard_size, _dtype(dtype), overwrite,
-                 not as_json, "consolidating")
+                 not as_json, "consolidating", verify=verify)
     _report(stats, "consolidated", output, as_json)
 
 
@@ -119,6 +123,7 @@ def convert(model: str = typer.Argument(..., parser=o.ModelPath(), help="Hugging
             dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16 (default: as stored)."),
             quantization: Optional[str] = typer.Option(None, "--quantization", help="Store linear weights as int8 (per channel) or int4 (groups of 32)."),
             overwrite: bool = typer.Option(False, "--overwrite", help="Replace the checkpoint in a non-empty output folder."),
+            verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
             as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Rewrite a checkpoint as size-capped safetensors shards with an index (what Accelerate's save_model
     does), optionally with int8/int4 linear weights that `generate` loads as they are."""
@@ -127,7 +132,7 @@ def convert(model: str = typer.Argument(..., parser=o.ModelPath(), help="Hugging
     if quantization not in (None, "none", "int8", "int4"):
         _fail(f"--quantization {quantization} is not supported; use int8 or int4")
     stats = _run(write_whole, _model_folder(model), Path(output), max_shard_size, _dtype(dtype), overwrite,
-                 not as_json, "converting", None if quantization in (None, "none") else quantization)
+                 not as_json, "converting", None if quantization in (None, "none") else quantization, verify=verify)
     _report(stats, "converted", output, as_json)
 
 
@@ -140,10 +145,10 @@ def verify(folder: str = typer.Argument(..., parser=o.ExistingPath("folder"), he
     rep = do_verify(folder, checksums=not no_checksums)
     if as_json:
         print(json.dumps({"folder": rep.folder, "kind": rep.kind, "ok": rep.ok, "problems": rep.problems,
-                          "files": rep.files, "bytes": rep.bytes, "tensors": rep.tensors}))
+                          "files": rep.files, "bytes": rep.bytes, "tensors": rep.tensors, "checked": rep.checked}))
     elif rep.ok:
         out.print(f"ok: {folder}: {rep.kind}; {rep.files} files, {rep.bytes / 1e6:.0f} MB, {rep.tensors or 'all'} "
-                  f"tensor slices checked{'' if no_checksums else ', sha256 match'}", highlight=False)
+                  f"tensor slices checked; {rep.checked}", highlight=False)
     else:
         from rich.markup import escape
 

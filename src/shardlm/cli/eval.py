@@ -11,6 +11,7 @@ from rich.table import Table
 
 from shardlm import bundled
 from shardlm.checkpoint.headers import CheckpointError
+from shardlm.checkpoint.verify import check_before_use
 from shardlm.cli import options as o
 from shardlm.cli.common import err, out
 from shardlm.cli.common import fail as _fail
@@ -67,12 +68,13 @@ def perplexity(
         _fail(f"--text {text}: {e}; give a readable UTF-8 text file")
     try:
         folder = bundled.resolve_model(model)
+        check_before_use(folder)  # the checkpoint integrity check every read path runs (checkpoint/verify.py)
         source = ModelSource.open(folder)
         require_runnable(source.family, source.args)
         tok = load_tokenizer(folder)
         for q in quants:
             check_kind(q, device)
-    except (bundled.BundledModelError, ModelConfigError, QuantizationError) as e:
+    except (bundled.BundledModelError, ModelConfigError, QuantizationError, CheckpointError) as e:
         _fail(str(e))
     rows = []
     for d in dtypes:

@@ -13,6 +13,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
 
+from shardlm.checkpoint.integrity import DEFAULT_VERIFY, VERIFY_HELP
 from shardlm.cli import options as o
 from shardlm.cli.common import err, fail, refuse_conflicts
 from shardlm.engine.checks import UserError
@@ -99,6 +100,7 @@ def generate(
     memory_budget: Optional[int] = typer.Option(None, "--memory-budget", parser=o.MEMORY_BUDGET, help="Weights + read buffers per rank, e.g. 300MB; layers beyond it stream from disk."),
     offload_dir: Optional[str] = typer.Option(None, "--offload-dir", parser=o.NewPath("folder"), help="Folder for streamed layers (default $SHARDLM_HOME/offload)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Read each streamed layer only when it is needed (for comparison)."),
+    verify: str = typer.Option(DEFAULT_VERIFY, "--verify", help=VERIFY_HELP),
     device: Optional[str] = typer.Option(None, "--device", help="cpu (default), or cuda: rank r on GPU r mod the GPUs (NCCL when each rank has its own GPU; ranks sharing one use gloo). With --memory-budget, layers beyond it stay in pinned host memory."),
 ) -> None:
     """Generate text on tp x pp ranks spawned on this machine; streams the completion to stdout."""
@@ -114,14 +116,15 @@ def generate(
                      not no_prefetch)
     request = GenerateRequest(prompts, max_new_tokens, SamplingParams(temperature, top_p, top_k, seed), chat,
                               ignore_eos)
-    _run(request, model, flags, given, read, as_json)
+    _run(request, model, flags, given, read, as_json, verify)
 
 
-def _run(request: GenerateRequest, model, flags: RunFlags, given: set[str], manifest, as_json: bool) -> None:
+def _run(request: GenerateRequest, model, flags: RunFlags, given: set[str], manifest, as_json: bool,
+         verify: str) -> None:
     status = err.status("starting ranks...")
     view = None
     try:
-        job = prepare(request, model, flags, given, manifest)
+        job = prepare(request, model, flags, given, manifest, verify)
         _warn_oversubscribed(job.plan.world)
         view = None if as_json else StreamView(request.prompts)
 

@@ -163,7 +163,10 @@ def plan(model: str = typer.Argument(..., help="Preset name or local model folde
 def _write_outputs(best: Plan, output: Optional[str], figure: Optional[str]) -> None:
     if output:
         from shardlm.manifest import write_manifest
-        write_manifest(best, output)
+        try:
+            write_manifest(best, output)
+        except OSError as e:  # atomic: nothing was written; the error names the path
+            _fail(f"{e.strerror}: {e.filename}; nothing was written: choose a writable path for -o")
     if figure:
         from shardlm.plan.figure import draw_plan
         try:

@@ -17,7 +17,9 @@ from typing import Callable
 from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
 from shardlm.checkpoint.headers import CheckpointError
+from shardlm.checkpoint.integrity import DEFAULT_VERIFY
 from shardlm.checkpoint.sharded import ShardedInfo, check_layout, is_sharded, read_info
+from shardlm.checkpoint.verify import check_before_use
 from shardlm.engine.checks import UserError, check_budget, check_runnable, for_device, model_folder
 from shardlm.engine.engine import GenerateResult, LocalEngine
 from shardlm.engine.requests import TokenEvent
@@ -56,12 +58,15 @@ class Job:
     prompt_ids: list[list[int]]
 
 
-def open_model(model: str | None) -> ModelSource:
-    """The model a run uses: a folder, or the bundled model for None / its alias."""
+def open_model(model: str | None, verify: str = DEFAULT_VERIFY) -> ModelSource:
+    """The model a run uses (a folder, or the bundled model for None / its alias), checked before anything
+    reads it (`--verify`: checkpoint/verify.py check_before_use)."""
     try:
-        source = ModelSource.open(bundled.resolve_model(model))
+        folder = bundled.resolve_model(model)
+        check_before_use(folder, verify)
+        source = ModelSource.open(folder)
         require_runnable(source.family, source.args)
-    except (bundled.BundledModelError, ModelConfigError) as e:
+    except (bundled.BundledModelError, ModelConfigError, CheckpointError) as e:
         raise UserError(str(e)) from e
     return source
 
@@ -73,11 +78,11 @@ def model_ref(source: ModelSource) -> ModelRef:
 
 
 def plan_run(model: str | None = None, flags: RunFlags = RunFlags(), kv: KVBudget | None = None,
-             given: set[str] = frozenset()) -> tuple[Plan, ModelSource]:
+             given: set[str] = frozenset(), verify: str = DEFAULT_VERIFY) -> tuple[Plan, ModelSource]:
     """The Plan `shardlm generate` would run for `flags` on `model` (None: the bundled model), sized for
     `kv` (default: one sequence of up to 4096 tokens), and the model; UserError for what cannot run.
     A per-rank checkpoint's recorded layout is used unless `given` names a layout flag."""
-    source = open_model(model)
+    source = open_model(model, verify)
     seq = min(source.args.max_seq_len, 4096)
     plan = settle_plan(source, flags, set(given), kv or KVBudget(1, seq, min(seq, 2048)), None)
     check_files(plan, source)
@@ -153,7 +158,7 @@ def check_offload_dir(folder: str | None, settings: Settings | None = None) -> N
 
 
 def prepare(request: GenerateRequest, model: str | None, flags: RunFlags, given: set[str],
-            manifest: tuple[Plan, str] | None = None) -> Job:
+            manifest: tuple[Plan, str] | None = None, verify: str = DEFAULT_VERIFY) -> Job:
     """Validate everything that can be checked before a rank starts; raises UserError.
 
     `given` names the flags the user set (the rest are defaults); `manifest` is a read manifest and its path.
@@ -162,7 +167,7 @@ def prepare(request: GenerateRequest, model: str | None, flags: RunFlags, given:
         raise UserError("empty prompt: give at least one non-empty PROMPT, e.g. shardlm generate \"Hello\"")
     if manifest is not None and model is None:
         model = model_folder(manifest[0])
-    source = open_model(model)
+    source = open_model(model, verify)
     batch = len(request.prompts)
     # the layout, the memory and the files are checked first, with the least KV cache the request needs
     check_files(settle_plan(source, flags, given, KVBudget(batch, request.max_new_tokens + 1, 1), manifest), source)
