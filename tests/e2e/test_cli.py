@@ -176,6 +176,34 @@ def test_killed_rank_ends_the_run_with_a_clear_error(layout):
     _assert_all_gone(pids)
 
 
+def test_a_stopped_rank_is_named_within_seconds_and_every_rank_stops():
+    """SIGSTOP leaves the process alive but silent: its heartbeat stops, and the driver names it (HANG_S 4 s)."""
+    proc = _start_long_run("--tp", "2")
+    pids = _rank_pids(proc, 2)
+    victim = pids[-1]
+    os.kill(victim, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if psutil.pid_exists(victim):
+            os.kill(victim, signal.SIGCONT)
+    assert time.monotonic() - t0 < 10, "a stopped rank must be found within seconds, not the 300 s gloo timeout"
+    assert proc.returncode == 1 and "stopped responding" in err and f"pid {victim}" in err, err
+    _assert_all_gone(pids)
+
+
+def test_a_rank_killed_while_loading_is_named_as_dead():
+    proc = subprocess.Popen(SHARDLM + ["generate", "x", "--tp", "2", "--max-new-tokens", "4"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids = _rank_pids(proc, 2)
+    os.kill(pids[-1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "died with signal 9" in err and f"pid {pids[-1]}" in err, err
+    assert "Traceback" not in err
+    _assert_all_gone(pids)
+
+
 def test_ctrl_c_stops_every_rank():
     proc = _start_long_run("--tp", "2")
     pids = _rank_pids(proc, 2)

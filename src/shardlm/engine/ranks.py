@@ -85,7 +85,13 @@ class RankGroup:
 
     def start(self) -> "RankGroup":
         """Spawn the ranks and wait until every one has loaded its part of the model."""
-        t0 = time.perf_counter()
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the rank processes (they begin loading at once). Call it from a thread that outlives them
+        (the main thread): a rank is killed when the thread that started it ends (PR_SET_PDEATHSIG)."""
+        self._t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
         world = self.world
         self.inboxes = [ctx.Queue() for _ in range(world)]
@@ -107,14 +113,17 @@ class RankGroup:
                 self.procs.append(p)
         finally:
             listener.close()  # rank 0 holds its own copy
+
+    def wait_ready(self) -> "RankGroup":
+        """Wait until every spawned rank has loaded; RankFailure naming a rank that failed, died or hung."""
         got = {}
-        while len(got) < world:
+        while len(got) < self.world:
             kind, rank, payload = self.receive(self.timeout_s)
             if kind == "ready":
                 got[rank] = payload
-        self.ready = [got[r] for r in range(world)]
-        self.load_s = time.perf_counter() - t0
-        log.info("%d rank(s) ready in %.1f s", world, self.load_s)
+        self.ready = [got[r] for r in range(self.world)]
+        self.load_s = time.perf_counter() - self._t0
+        log.info("%d rank(s) ready in %.1f s", self.world, self.load_s)
         return self
 
     def send(self, message) -> None:

@@ -156,13 +156,28 @@ class Request:
     """A queue shared by several requests: gets (request, event) pairs instead of `events`."""
     cancelled: threading.Event = field(default_factory=threading.Event)
     stop_text: StopText | None = None
+    _notify: "object | None" = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def deliver(self, event: TokenEvent) -> None:
-        """Hand one event to whoever reads this request."""
-        if self.sink is not None:
-            self.sink.put((self, event))
-        else:
-            self.events.put(event)
+        """Hand one event to whoever reads this request (called on the scheduler thread)."""
+        with self._lock:
+            if self._notify is not None:
+                self._notify(event)
+            elif self.sink is not None:
+                self.sink.put((self, event))
+            else:
+                self.events.put(event)
+
+    def listen(self, notify) -> list[TokenEvent]:
+        """From now on call `notify(event)` for each event instead of queueing it; returns the events queued
+        before (for an asyncio reader, which cannot block on `events`)."""
+        with self._lock:
+            self._notify = notify
+            earlier = []
+            while not self.events.empty():
+                earlier.append(self.events.get_nowait())
+            return earlier
 
     @property
     def done_prefill(self) -> bool:

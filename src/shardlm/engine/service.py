@@ -77,9 +77,18 @@ class Engine:
 
     def start(self) -> "Engine":
         """Spawn and load the ranks, then start the scheduler thread."""
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the rank processes; from the main thread (see RankGroup.spawn)."""
+        self.group.spawn()
+
+    def wait_ready(self) -> "Engine":
+        """Wait for the spawned ranks to load, then start scheduling (any thread may call it)."""
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(Path(self.source.folder))
-        self.group.start()
+        self.group.wait_ready()
         self._thread = threading.Thread(target=self._loop, name="shardlm-scheduler", daemon=True)
         self._thread.start()
         self.started = True
@@ -101,6 +110,10 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.group.stop(force=self.failure is not None)
+
+    def stop_admitting(self) -> None:
+        """Refuse new requests from now on (EngineClosed; a server answers 503); running ones go on."""
+        self._closing_admission = True
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -146,13 +159,14 @@ class Engine:
                 return
 
     async def astream(self, req: Request) -> AsyncIterator[TokenEvent]:
-        """`stream` for asyncio: the events of `req`, awaited without blocking the event loop."""
+        """`stream` for asyncio: the events of `req`, awaited on the event loop (the scheduler thread hands
+        each one over with call_soon_threadsafe; no thread waits per request)."""
         loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        for event in req.listen(lambda e: loop.call_soon_threadsafe(events.put_nowait, e)):
+            events.put_nowait(event)
         while True:
-            try:
-                event = req.events.get_nowait()
-            except queue.Empty:
-                event = await loop.run_in_executor(None, req.events.get)
+            event = await events.get()
             yield event
             if event.finish_reason is not None:
                 return

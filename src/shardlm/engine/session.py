@@ -78,13 +78,24 @@ def model_ref(source: ModelSource) -> ModelRef:
 
 
 def plan_run(model: str | None = None, flags: RunFlags = RunFlags(), kv: KVBudget | None = None,
-             given: set[str] = frozenset(), verify: str = DEFAULT_VERIFY) -> tuple[Plan, ModelSource]:
-    """The Plan `shardlm generate` would run for `flags` on `model` (None: the bundled model), sized for
-    `kv` (default: one sequence of up to 4096 tokens), and the model; UserError for what cannot run.
-    A per-rank checkpoint's recorded layout is used unless `given` names a layout flag."""
+             given: set[str] = frozenset(), verify: str = DEFAULT_VERIFY,
+             manifest: tuple[Plan, str] | None = None) -> tuple[Plan, ModelSource]:
+    """The Plan that runs for `flags` (or `manifest`, a read manifest and its path) on `model` (None: the
+    bundled model, or the manifest's), sized for `kv` (default: one sequence of up to 4096 tokens; a
+    manifest keeps its own), and the model; UserError for what cannot run. A per-rank checkpoint's
+    recorded layout is used unless `given` names a layout flag."""
+    if manifest is not None and model is None:
+        model = model_folder(manifest[0])
     source = open_model(model, verify)
     seq = min(source.args.max_seq_len, 4096)
-    plan = settle_plan(source, flags, set(given), kv or KVBudget(1, seq, min(seq, 2048)), None)
+    kv = manifest[0].kv if manifest is not None else kv or KVBudget(1, seq, min(seq, 2048))
+    if kv.max_seq_len > source.args.max_seq_len:
+        if "max_seq_len" in given or manifest is not None:
+            raise UserError(f"a KV budget of {kv.max_seq_len} tokens per sequence exceeds the model's "
+                            f"{source.args.max_seq_len} positions; use at most {source.args.max_seq_len}")
+        kv = replace(kv, max_seq_len=source.args.max_seq_len, prefill_chunk=min(kv.prefill_chunk,
+                                                                                 source.args.max_seq_len))
+    plan = settle_plan(source, flags, set(given), kv, manifest)
     check_files(plan, source)
     return plan, source
 

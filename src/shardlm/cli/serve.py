@@ -1,0 +1,87 @@
+"""`shardlm serve`: a long-lived engine behind an OpenAI-compatible HTTP API (serve/)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import typer
+
+from shardlm.checkpoint.integrity import DEFAULT_VERIFY
+from shardlm.cli import layout as L
+from shardlm.cli import options as o
+from shardlm.cli.common import err, fail
+from shardlm.engine.checks import UserError
+from shardlm.plan.plan import KVBudget
+from shardlm.settings import Settings
+
+
+def serve(
+    model: L.Model = None,
+    manifest: L.Manifest = None,
+    tp: L.Tp = None,
+    pp: L.Pp = None,
+    layers: L.Layers = None,
+    micro_batches: L.MicroBatches = None,
+    dtype: L.Dtype = None,
+    quantization: L.Quantization = None,
+    memory_budget: L.MemoryBudget = None,
+    offload_dir: L.OffloadDir = None,
+    no_prefetch: L.NoPrefetch = False,
+    device: L.Device = None,
+    verify: L.Verify = DEFAULT_VERIFY,
+    host: Optional[str] = typer.Option(None, "--host", help="Address to listen on (default 127.0.0.1, or the manifest's serving.host)."),
+    port: Optional[int] = typer.Option(None, "--port", parser=o.PORT, help="TCP port (default 8000, or the manifest's serving.port)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/*."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients ask for (default: the model folder's name)."),
+    max_queue: int = typer.Option(256, "--max-queue", parser=o.MAX_QUEUE, help="Requests that may wait for a slot; more are answered 429."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", parser=o.MAX_BATCH, help="KV-cache slots: sequences decoded together (default 16; a manifest's kv_cache.max_batch)."),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", parser=o.MAX_SEQ_LEN, help="Prompt + generated tokens per sequence (default min(model, 2048))."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", parser=o.PREFILL_CHUNK, help="Prompt tokens prefilled per step beside running decodes (default 256)."),
+    drain_s: float = typer.Option(30.0, "--drain-s", parser=o.DRAIN_S, help="On SIGTERM, how long requests in flight may take to finish."),
+) -> None:
+    """Serve the model over HTTP (OpenAI API) until SIGTERM or Ctrl-C; exits 0 after draining."""
+    from shardlm.engine.service import Engine
+    from shardlm.engine.session import plan_run
+    from shardlm.serve.app import Service
+    from shardlm.serve.server import ServeError, bind, serve as run
+
+    lay = L.layout_of(tp, pp, layers, micro_batches, dtype, quantization, memory_budget, offload_dir, no_prefetch,
+                      device, manifest, verify)
+    if lay.manifest is not None and any(v is not None for v in (max_batch, max_seq_len, prefill_chunk)):
+        fail(f"--max-batch, --max-seq-len and --prefill-chunk cannot be combined with --manifest {manifest}, whose "
+             "kv_cache section sizes the cache; drop them or edit the manifest")
+    host, port = _address(host, port, lay)
+    try:
+        sock = bind(host, port)
+    except ServeError as e:
+        fail(str(e))
+    try:
+        given = lay.given | ({"max_seq_len"} if max_seq_len is not None else set())
+        plan, source = plan_run(model, lay.flags, _kv(max_batch, max_seq_len, prefill_chunk), given, lay.verify,
+                                lay.manifest)
+    except UserError as e:
+        sock.close()
+        fail(str(e))
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    engine = Engine(plan, source, Settings.from_env(log_level=level), max_queue=max_queue)
+    name = served_model_name or _model_name(source.folder)
+    err.print(f"serving {name} on http://{host}:{port} (tp={plan.layout.tp} pp={plan.layout.pp}, "
+              f"{plan.kv.max_batch} slots x {plan.kv.max_seq_len} tokens); loading...", highlight=False)
+    raise typer.Exit(run(Service(engine, name, api_key), sock, drain_s))
+
+
+def _address(host: str | None, port: int | None, lay: L.Layout) -> tuple[str, int]:
+    serving = lay.manifest[0].serving if lay.manifest is not None else None
+    return (host or (serving.host if serving else "127.0.0.1"), port or (serving.port if serving else 8000))
+
+
+def _kv(max_batch: int | None, max_seq_len: int | None, prefill_chunk: int | None) -> KVBudget:
+    seq = max_seq_len or 2048
+    return KVBudget(max_batch or 16, seq, min(seq, prefill_chunk or 256))
+
+
+def _model_name(folder: str) -> str:
+    from pathlib import Path
+
+    return Path(folder).name

@@ -1,0 +1,109 @@
+"""The HTTP app (FastAPI): OpenAI-compatible completions and chat, models, health and version.
+
+    GET  /v1/models             the served model
+    POST /v1/completions        prompt text, texts, token ids or lists of them; stream; logprobs; echo
+    POST /v1/chat/completions   messages through the model's chat template; stream
+    GET  /health                200 once every rank has loaded; 503 with the reason otherwise
+    GET  /version               shardlm's version
+
+With an API key, /v1/* wants `Authorization: Bearer KEY` (401 otherwise); health and version stay
+open for probes. Errors are OpenAI's JSON (serve/errors.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+import shardlm
+from shardlm.serve.chat import chat
+from shardlm.serve.completions import complete
+from shardlm.serve.errors import ApiError, error_response, validation_message
+from shardlm.serve.schemas import ChatRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    """What the app serves: the engine (started in the background so /health answers while it loads)."""
+
+    engine: object
+    model_name: str
+    api_key: str | None = None
+    loading_error: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def check_model(self, name: str) -> None:
+        """ApiError 404 unless `name` is the served model."""
+        if name != self.model_name:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {self.model_name!r} "
+                                "(GET /v1/models)", "model")
+
+    def health(self) -> tuple[bool, str]:
+        """(ready, reason)."""
+        if self.loading_error is not None:
+            return False, self.loading_error if self.ready.is_set() else f"loading failed: {self.loading_error}"
+        if not self.ready.is_set():
+            return False, "the ranks are loading the model"
+        return self.engine.health()
+
+    def usable(self) -> None:
+        """ApiError 503 unless requests can be served now."""
+        ok, reason = self.health()
+        if not ok:
+            raise ApiError(503, reason)
+
+
+def create_app(service: Service) -> FastAPI:
+    """The FastAPI app for `service`."""
+    app = FastAPI(title="shardlm", version=shardlm.__version__, docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if service.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {service.api_key}":
+                return error_response(401, "a wrong or missing API key: send the header "
+                                           "'Authorization: Bearer KEY' with the server's --api-key")
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, param)
+
+    @app.get("/health")
+    async def health():
+        ok, reason = service.health()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": shardlm.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "shardlm",
+                                            "max_model_len": service.engine.plan.kv.max_seq_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        service.usable()
+        return await complete(service, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        service.usable()
+        return await chat(service, body, request)
+
+    return app

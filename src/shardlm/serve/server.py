@@ -1,0 +1,89 @@
+"""Run the app on uvicorn: bind first (a port in use is one line), load the engine behind /health, drain on SIGTERM.
+
+Order of events:
+1. bind host:port ourselves, so a port in use is refused before any rank starts;
+2. start uvicorn on that socket and load the engine in a thread: /health answers 503 "loading" until
+   every rank has loaded, then 200; a load that fails is reported and the server stops (exit 1);
+3. on SIGTERM or Ctrl-C: the engine stops admitting (new requests get 503), uvicorn stops accepting
+   connections and waits up to `drain_s` for the requests in flight to finish, then the ranks stop
+   and the command exits 0.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+from shardlm.serve.app import Service, create_app
+
+log = logging.getLogger(__name__)
+
+
+class ServeError(RuntimeError):
+    """The server cannot start as asked (a port in use, an address that cannot be bound)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; ServeError naming the problem and the fix."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"port {port} on {host} is in use; stop what listens there or choose another --port") from e
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); check --host and --port") from e
+    return sock
+
+
+def serve(service: Service, sock: socket.socket, drain_s: float = 30.0) -> int:
+    """Serve until SIGTERM / Ctrl-C (exit status 0) or a failed load (1); the ranks are stopped either way."""
+    config = uvicorn.Config(create_app(service), log_level="warning", timeout_graceful_shutdown=int(drain_s),
+                            access_log=False)
+    server = uvicorn.Server(config)
+    service.engine.spawn()  # on this (main) thread: the ranks die with the thread that started them
+    loader = threading.Thread(target=_load, args=(service, server), name="shardlm-load", daemon=True)
+    loader.start()
+    original = server.handle_exit
+
+    def handle_exit(sig, frame):  # stop admitting at once: new requests get 503 while the rest drain
+        if service.ready.is_set():
+            service.engine.stop_admitting()
+        original(sig, frame)
+
+    server.handle_exit = handle_exit
+    try:
+        server.run(sockets=[sock])
+    finally:
+        loader.join(timeout=1)
+        service.engine.close(drain_s=0, force=service.loading_error is not None)
+    return 1 if service.loading_error is not None else 0
+
+
+def _load(service: Service, server: uvicorn.Server) -> None:
+    """Wait for the ranks, then watch the engine: a failed load or a failed rank ends the server (exit 1)
+    after a moment in which requests in flight receive their error."""
+    try:
+        service.engine.wait_ready()
+        service.ready.set()
+        log.warning("ready: serving %s", service.model_name)
+    except Exception as e:  # noqa: BLE001 - a failed load ends the server with its reason
+        service.loading_error = getattr(e, "summary", None) or str(e)
+        log.error("loading failed: %s", service.loading_error)
+        server.should_exit = True
+        return
+    while not server.should_exit:
+        if service.engine.failure is not None:
+            service.loading_error = f"the engine stopped: {service.engine.failure.summary}"
+            time.sleep(1.0)  # let the streams in flight carry the error to their clients
+            server.should_exit = True
+            return
+        time.sleep(0.2)
