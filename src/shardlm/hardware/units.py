@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -23,21 +24,29 @@ _SECONDS_UNITS = {"": 1, "S": 1, "MS": 1e-3, "US": 1e-6, "µS": 1e-6, "NS": 1e-9
 def _parse_quantity(value: Any, units: dict[str, float], what: str, example: str) -> float:
     """A non-negative number with an optional unit from ``units`` (case-insensitive), in base units."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise HardwareError(f"expected {what} like {example}, got {value!r}")
+        raise HardwareError(f"expected {what} like {example}, got {_shown(value)}")
     if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+        number, unit = (float(value) if abs(value) < 1e300 else math.inf), ""
     else:
-        match = _NUMBER.match(value)
+        match = _NUMBER.match(value) if len(value) <= 100 else None
         if match is None:
-            raise HardwareError(f"cannot read {value!r} as {what}; write it like {example}")
+            raise HardwareError(f"cannot read {_shown(value)} as {what}; write it like {example}")
         number, unit = float(match.group(1)), (match.group(2) or "").upper()
         if unit not in units:
             known = ", ".join(u for u in units if u)
             raise HardwareError(f"unknown unit {match.group(2)!r} in {value!r} for {what}; use one of {known}")
     if number < 0:
-        raise HardwareError(f"{what} {value!r} is negative; write it like {example}")
+        raise HardwareError(f"{what} {_shown(value)} is negative; write it like {example}")
+    if not math.isfinite(number) or number * units[unit] > 1e30:  # 1e400 is inf; nothing measured is near 1e30
+        raise HardwareError(f"{what} {_shown(value)} is too large; write it like {example}")
     scale = units[unit]
     return number * scale if scale >= 1 else number / round(1 / scale)  # 10 / 1e6, not 10 * 1e-6 (inexact)
+
+
+def _shown(value: Any) -> str:
+    """``value`` as messages show it: repr, cut to a few dozen characters."""
+    text = repr(value)
+    return text if len(text) <= 42 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def parse_size(text: str | int | float) -> int:

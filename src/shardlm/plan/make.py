@@ -88,11 +88,19 @@ def make_plan(req: Request) -> Result:
     return Result(req, ranked, cands)
 
 
-def repredict(plan: Plan) -> Plan:
-    """The same plan with predictions recomputed from its model, cluster and layout (for validate)."""
-    _, family, args = load_model(plan.model.name)
-    st = Setting(args, family.tp_plan, cluster_for(plan.cluster), plan.dtype, plan.quantization, plan.kv,
-                 plan.offload)
+def repredict(plan: Plan, source: str = "the manifest") -> Plan:
+    """The same plan with predictions recomputed from its model, cluster and layout (for validate).
+
+    First the plan is checked against what it names (ManifestError, `source` naming the file): its
+    model fields against the model `model.name` loads, its device addresses against its cluster.
+    """
+    from shardlm.manifest import check_devices, check_model  # the manifest floor sits above plan/
+
+    ref, family, args = load_model(plan.model.name)
+    check_model(plan, ref, source)
+    cluster = cluster_for(plan.cluster)
+    check_devices(plan, cluster, source)
+    st = Setting(args, family.tp_plan, cluster, plan.dtype, plan.quantization, plan.kv, plan.offload)
     return replace(plan, predictions=predict(st, plan.layout))
 
 

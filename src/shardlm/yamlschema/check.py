@@ -12,6 +12,7 @@ the same description to cross-field checks that run after the schema.
 from __future__ import annotations
 
 import difflib
+import re
 import types
 from dataclasses import dataclass
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -23,6 +24,7 @@ from shardlm.yamlschema.document import Document, dotted, yaml11_tag, yaml11_val
 from shardlm.yamlschema.fields import DECIMAL, Expect, Invalid
 
 _SHOWN = 40  # longest key that gets a "did you mean"
+_LEADING_ZERO = re.compile(r"[-+]?0[0-9]")  # 0400: octal to YAML 1.1
 
 def validate(doc: Document, schema: type[BaseModel], data: Any = None) -> Any:
     """``schema`` validated from ``doc.data`` (or ``data``); the first problem raised as ``doc.error``.
@@ -83,9 +85,10 @@ def _note(doc: Document, path: tuple, expect: Expect | None) -> str:
     spot = doc.spots.get(path)
     if expect is None or not expect.number or spot is None or not spot.plain or spot.text is None:
         return ""
-    if yaml11_tag(spot.text) not in ("int", "float") or DECIMAL.fullmatch(spot.text):
+    if yaml11_tag(spot.text) not in ("int", "float") or (DECIMAL.fullmatch(spot.text) and not _LEADING_ZERO.match(
+            spot.text)):
         return ""
-    return f" (not plain decimal: YAML 1.1 would read {yaml11_value(spot.text)!r})"
+    return f" (YAML 1.1 would read that as {yaml11_value(spot.text)!r}; shardlm reads plain decimal only)"
 
 
 def _quote_note(doc: Document, path: tuple, expect: Expect | None) -> str:
@@ -139,7 +142,7 @@ def _field_at(schema: type[BaseModel], path: tuple) -> _Field | None:
         else:
             return None
     base = _unwrap(tp, meta)
-    expect = next((m for m in meta if isinstance(m, Expect)), None)
+    expect = next((m for m in reversed(meta) if isinstance(m, Expect)), None)  # the outermost type's
     return _Field(base, tuple(meta), expect)
 
 

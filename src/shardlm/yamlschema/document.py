@@ -23,6 +23,9 @@ FALSE_WORDS = frozenset({"no", "No", "NO", "false", "False", "FALSE", "off", "Of
 """YAML 1.1's booleans, as PyYAML reads them."""
 _SHOWN = 40  # characters of a value or key shown in a message; longer ones are cut
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,40}")
+_SKIPPED = frozenset({yaml.StreamStartEvent, yaml.StreamEndEvent, yaml.DocumentEndEvent})
+_ENDS = frozenset({yaml.MappingEndEvent, yaml.SequenceEndEvent})
+_PLAIN_KEY = re.compile(r"(?!(?:yes|no|true|false|on|off|null)$)[a-z_][a-z0-9_]*", re.IGNORECASE)  # str to YAML 1.1
 
 
 class Plain(str):
@@ -38,7 +41,7 @@ class Limits:
     max_depth: int
     """Levels of nested mappings and lists."""
     max_values: int
-    """Scalars, mappings and lists together."""
+    """Keys, scalars, mappings and lists together."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,13 @@ class Document:
         return shown(spot.text, quoted)
 
     def error(self, path: tuple, problem: str, fix: str) -> Exception:
-        """'file:line: path: problem; fix' as this document's error type, on one line."""
+        """'file:line: path: problem; fix' as this document's error type, on one line (``fix`` may be in
+        ``problem`` already: then pass "")."""
         if self.amend is not None:
             fix = self.amend(tuple(path), fix)
         where = f"{dotted(path)}: " if path else ""
-        return self.error_type(one_line(f"{self.source}:{self.line(path)}: {where}{problem}; {fix}"))
+        tail = f"; {fix}" if fix else ""
+        return self.error_type(one_line(f"{self.source}:{self.line(path)}: {where}{problem}{tail}"))
 
 
 def shown(text: str, quoted: bool = True) -> str:
@@ -208,20 +213,25 @@ def load_yaml(text: str, source: str, error_type: type[Exception], limits: Limit
 
 def _take(b: _Build, event: yaml.Event) -> None:
     """Add one parser event to the document being built."""
-    if isinstance(event, (yaml.StreamStartEvent, yaml.StreamEndEvent, yaml.DocumentEndEvent)):
+    kind = type(event)
+    if kind in _SKIPPED:
         return
     line = event.start_mark.line + 1
-    if isinstance(event, yaml.DocumentStartEvent):
+    if kind is yaml.DocumentStartEvent:
         b.documents += 1
         if b.documents > 1:
             raise b.fail(line, (), "a second YAML document starts here", f"a {b.what} is one document: "
                          "remove the '---' line and what follows, or merge it into the first")
         return
-    if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+    if kind in _ENDS:
         b.stack.pop()
         return
+    b.values += 1  # keys count too: what the work of reading grows with
+    if b.values > b.limits.max_values:
+        raise b.fail(line, (), f"more than {b.limits.max_values} keys and values in one {b.what}",
+                     f"check that it is a {b.what}: a {b.what} holds far fewer")
     top = b.stack[-1] if b.stack else None
-    if top is not None and isinstance(top.value, dict) and top.key is None:
+    if top is not None and top.key is None and type(top.value) is dict:
         _take_key(b, top, event, line)
         return
     _take_value(b, top, event, line)
@@ -230,7 +240,7 @@ def _take(b: _Build, event: yaml.Event) -> None:
 def _take_key(b: _Build, top: _Open, event: yaml.Event, line: int) -> None:
     """A mapping key: a plain name, not seen before in this mapping."""
     if not isinstance(event, yaml.ScalarEvent) or event.tag is not None or (
-            not event.style and yaml11_tag(event.value) != "str"):
+            not event.style and not _PLAIN_KEY.fullmatch(event.value) and yaml11_tag(event.value) != "str"):
         got = "a mapping" if isinstance(event, yaml.MappingStartEvent) else (
             "a list" if isinstance(event, yaml.SequenceStartEvent) else shown(getattr(event, "value", "?"), False))
         raise b.fail(line, top.path, f"keys must be plain names, got {got}", "use a field name from " + b.what
@@ -250,10 +260,6 @@ def _take_value(b: _Build, top: _Open | None, event: yaml.Event, line: int) -> N
         path, at = top.path + (top.key,), top.key_line
     else:
         path, at = top.path + (len(top.value),), line
-    b.values += 1
-    if b.values > b.limits.max_values:
-        raise b.fail(line, path, f"more than {b.limits.max_values} values in one {b.what}",
-                     f"check that it is a {b.what}: a {b.what} holds far fewer")
     if isinstance(event, yaml.AliasEvent):
         raise b.fail(line, path, f"an alias (*{event.anchor}) is not supported", "write the value out in full")
     if event.tag is not None:

@@ -21,6 +21,8 @@ DECIMAL_INT = re.compile(r"0|-?[1-9][0-9]{0,29}")
 """Integers as shardlm reads them: plain decimal, at most 30 digits."""
 DECIMAL = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 """Numbers as shardlm reads them: decimal, with an optional exponent."""
+MAX_TEXT = 4096
+"""Longest string a field takes: a name or a path (PATH_MAX on Linux)."""
 
 @dataclass(frozen=True)
 class Expect:
@@ -56,6 +58,8 @@ def _to_flag(value: Any) -> Any:
 
 
 def _to_text(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_TEXT:
+        raise Invalid(f"is {len(value)} characters long", f"shorten it to at most {MAX_TEXT} (a name or a path)")
     if type(value) is Plain:
         if value in TRUE_WORDS or value in FALSE_WORDS:
             raise ValueError("a YAML boolean where text is expected")
