@@ -17,8 +17,9 @@ def check_model(plan: Plan, ref: ModelRef, source: str) -> None:
     ``shardlm.plan.make.load_model`` returns it): ``model.architecture`` and ``model.parameters`` when the
     manifest gives them (non-empty, non-zero), and always ``model.layers`` (the end of the last stage)."""
     m = plan.model
-    fix = (f"use the model this manifest was made for ({m.name}), or make a manifest for {ref.name} with "
-           f"`shardlm plan {ref.name}`")
+    make = f"make a manifest for {ref.name} with `shardlm plan {ref.name}`"
+    fix = (f"use the model this manifest was made for ({m.name}), or {make}" if m.name != ref.name else
+           f"{make}, or set model.name back to the model this manifest was made for")
     if m.architecture and m.architecture != ref.architecture:
         raise ManifestError(f"{source}: model.architecture: the manifest is for {m.architecture} but {ref.name} "
                             f"is {ref.architecture or 'of an unknown architecture'}; {fix}")

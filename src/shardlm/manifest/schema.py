@@ -58,10 +58,10 @@ def _folder(value: str) -> str:
     try:
         is_file = Path(value).exists() and not Path(value).is_dir()
     except OSError as e:  # a name too long for the file system, a loop of links
-        raise Invalid(f"{shown(value)} cannot be a folder ({e.strerror or type(e).__name__})",
+        raise Invalid(f"{shown(value, limit=200)} cannot be a folder ({e.strerror or type(e).__name__})",
                       "set it to a folder for disk offload, or null") from None
     if is_file:
-        raise Invalid(f"{shown(value)} is an existing file, not a folder",
+        raise Invalid(f"{shown(value, limit=200)} is an existing file, not a folder",
                       "set it to a folder for disk offload (it is made when missing), or null")
     return value
 

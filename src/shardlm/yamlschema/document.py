@@ -102,9 +102,9 @@ class Document:
         return self.error_type(one_line(f"{self.source}:{self.line(path)}: {where}{problem}{tail}"))
 
 
-def shown(text: str, quoted: bool = True) -> str:
-    """A value as a message shows it: quoted with repr, cut to a few dozen characters with its length."""
-    cut = text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+def shown(text: str, quoted: bool = True, limit: int = _SHOWN) -> str:
+    """A value as a message shows it: quoted with repr, cut to `limit` characters with its length."""
+    cut = text if len(text) <= limit else text[:limit] + "..."
     out = repr(cut) if quoted else cut
     return out if cut is text else f"{out} ({len(text)} characters)"
 

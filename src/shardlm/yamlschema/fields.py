@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Strict
 
 from shardlm.yamlschema.document import FALSE_WORDS, TRUE_WORDS, Plain
 
-DECIMAL_INT = re.compile(r"0|-?[1-9][0-9]{0,29}")
+DECIMAL_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]{0,29})")
 """Integers as shardlm reads them: plain decimal, at most 30 digits."""
 DECIMAL = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 """Numbers as shardlm reads them: decimal, with an optional exponent."""
