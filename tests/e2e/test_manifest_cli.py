@@ -9,6 +9,7 @@ from test_cli import run_cli
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory):
+    """The text of a tp-2 manifest for the bundled model on two CPU workers, planned once."""
     path = tmp_path_factory.mktemp("m") / "m.yaml"
     r = run_cli("plan", "smollm2-135m", "--devices", "2xcpu-2GB", "--tp", "2", "-o", str(path))
     assert r.returncode == 0, r.stderr

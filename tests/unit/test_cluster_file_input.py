@@ -20,6 +20,7 @@ inter_node: {bandwidth: 100GB/s, latency: 3us}
 
 
 def error_of(tmp_path, text: str) -> str:
+    """The message of the HardwareError a cluster file of `text` raises, checked to be one bounded line."""
     path = tmp_path / "c.yaml"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
     with pytest.raises(HardwareError) as info:
@@ -31,6 +32,7 @@ def error_of(tmp_path, text: str) -> str:
 
 @pytest.fixture(autouse=True)
 def no_calibration(tmp_path, monkeypatch):
+    """An empty $SHARDLM_HOME: no real calibration file leaks in."""
     monkeypatch.setenv("SHARDLM_HOME", str(tmp_path / "home"))
 
 

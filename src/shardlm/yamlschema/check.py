@@ -26,14 +26,15 @@ from shardlm.yamlschema.fields import DECIMAL, Expect, Invalid
 _SHOWN = 40  # longest key that gets a "did you mean"
 _LEADING_ZERO = re.compile(r"[-+]?0[0-9]")  # 0400: octal to YAML 1.1
 
-def validate(doc: Document, schema: type[BaseModel], data: Any = None) -> Any:
-    """``schema`` validated from ``doc.data`` (or ``data``); the first problem raised as ``doc.error``.
+
+def validate(doc: Document, schema: type[BaseModel]) -> Any:
+    """``schema`` validated from ``doc.data``; the first problem raised as ``doc.error``.
 
     Unknown keys are reported first (a typo also makes its field "missing"), then the problem on the
     earliest line.
     """
     try:
-        return schema.model_validate(doc.data if data is None else data)
+        return schema.model_validate(doc.data)
     except ValidationError as e:
         errors = e.errors(include_url=False)
     first = min(errors, key=lambda err: (err["type"] != "extra_forbidden", doc.line(err["loc"])))

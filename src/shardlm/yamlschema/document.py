@@ -123,7 +123,7 @@ def dotted(path: tuple) -> str:
 
 def one_line(message: str) -> str:
     """The message with line breaks turned into spaces: errors are printed as one line."""
-    return " ".join(message.splitlines()) if "\n" in message or "\r" in message else message
+    return " ".join(message.splitlines())  # every line break Python knows, \u2028 included
 
 
 def _value_at(data: Any, path: tuple) -> Any:
@@ -139,6 +139,7 @@ def yaml11_tag(text: str) -> str:
 
 
 def yaml11_value(text: str) -> Any:
+    """What YAML 1.1 (PyYAML's SafeLoader) would make of an unquoted scalar: 256 for ``0400``."""
     node = yaml.ScalarNode(f"tag:yaml.org,2002:{yaml11_tag(text)}", text)
     return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
 
