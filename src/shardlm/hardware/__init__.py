@@ -17,14 +17,16 @@ Units: sizes are binary (``GB`` = GiB = 2**30 bytes, as ``nvidia-smi`` and ``fre
 and FLOP/s are decimal (``GB/s`` = 1e9 bytes/s, ``TFLOPS`` = 1e12), as datasheets write them.
 
 The package, floor by floor: ``specs`` (the value types and constants), ``units``, ``catalog``,
-``calibration`` (CPU workers), ``shorthand``, ``cluster_file`` (YAML, checked by a pydantic schema),
-``local`` (this machine; imports torch lazily).
+``calibration`` (CPU workers), ``shorthand``, ``cluster_file`` (YAML, checked by a pydantic schema:
+imported on first use, so importing this package costs no pydantic), ``local`` (this machine; imports
+torch lazily).
 """
+
+from pathlib import Path
 
 from shardlm.hardware.calibration import cpu_cores, cpu_spec, read_calibration
 from shardlm.hardware.catalog import (ALIASES, CATALOG, PCIE_GEN3_HOST, PCIE_GEN4_HOST, PCIE_GEN5_HOST,
                                       UNKNOWN_DEFAULTS, lookup, match_gpu)
-from shardlm.hardware.cluster_file import CLUSTER_EXAMPLE, UNKNOWN_DEVICE_EXAMPLE, load_cluster
 from shardlm.hardware.local import NO_CUDA, detect_local, local_cluster
 from shardlm.hardware.shorthand import SHORTHAND_EXAMPLE, parse_devices
 from shardlm.hardware.specs import (CALIBRATION_FILE, CPU_DEFAULTS, CUDA_EAGER_LAYER_OVERHEAD_S, CUDA_LAYER_OVERHEAD_S,
@@ -33,10 +35,20 @@ from shardlm.hardware.specs import (CALIBRATION_FILE, CPU_DEFAULTS, CUDA_EAGER_L
 from shardlm.hardware.units import parse_flops, parse_rate, parse_seconds, parse_size, short_size
 
 __all__ = [
-    "ALIASES", "CALIBRATION_FILE", "CATALOG", "CLUSTER_EXAMPLE", "CPU_DEFAULTS", "CUDA_EAGER_LAYER_OVERHEAD_S",
+    "ALIASES", "CALIBRATION_FILE", "CATALOG", "CPU_DEFAULTS", "CUDA_EAGER_LAYER_OVERHEAD_S",
     "CUDA_LAYER_OVERHEAD_S", "CUDA_RUNTIME_BYTES", "DEFAULT_SOURCE", "NO_CUDA", "PCIE_GEN3_HOST", "PCIE_GEN4_HOST",
-    "PCIE_GEN5_HOST", "SHORTHAND_EXAMPLE", "UNKNOWN_DEFAULTS", "UNKNOWN_DEVICE_EXAMPLE", "UNKNOWN_GPU_SOURCE",
+    "PCIE_GEN5_HOST", "SHORTHAND_EXAMPLE", "UNKNOWN_DEFAULTS", "UNKNOWN_GPU_SOURCE",
     "Cluster", "Device", "DeviceSpec", "GiB", "HardwareError", "MiB", "Node", "cpu_cores", "cpu_spec",
     "detect_local", "load_cluster", "local_cluster", "lookup", "make_node", "match_gpu", "parse_devices",
     "parse_flops", "parse_rate", "parse_seconds", "parse_size", "read_calibration", "short_size",
 ]
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """A cluster from a YAML file; see ``shardlm.hardware.cluster_file.load_cluster`` for the format.
+
+    Errors are one-line ``HardwareError``s: ``cluster.yaml:5: nodes[0].devices[1].bandwidth: problem; fix``.
+    """
+    from shardlm.hardware import cluster_file  # pydantic is imported only when a cluster file is read
+
+    return cluster_file.load_cluster(path)
