@@ -10,6 +10,9 @@ its launch message; nothing below reads an environment variable itself. Variable
 - ``SHARDLM_CUDA_GRAPHS``: ``0`` turns CUDA-graph decode off (default on).
 - ``SHARDLM_OFFLOAD_UNCACHED``: ``1`` evicts streamed layers from the page cache after each use, so
   every step reads the disk (benchmarks of the worst case).
+- ``SHARDLM_COLLECTIVE_TIMEOUT_S``: how long a rank waits for its peers inside a collective, and the
+  driver for one step's result, before the rank (or the run) is reported hung; default 300 seconds.
+  Idle ranks wait in no collective, so an engine may sit idle far longer than this.
 """
 
 from __future__ import annotations
@@ -42,6 +45,20 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return value == "1"
 
 
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 1 <= seconds <= 86400:  # nan fails too
+        raise SettingsError(f"{name}={value!r} is not a number of seconds in 1..86400; unset it (default "
+                            f"{default:.0f}) or give one, e.g. {name}=600")
+    return seconds
+
+
 @dataclass(frozen=True)
 class Settings:
     """How this process and its ranks run, beyond the Plan (picklable: sent to every rank)."""
@@ -56,6 +73,8 @@ class Settings:
     """Replay decode steps as CUDA graphs where they apply (one GPU, nothing streamed)."""
     offload_uncached: bool = False
     """Evict streamed layers from the page cache after each use (benchmarks)."""
+    collective_timeout_s: float = 300.0
+    """Longest wait inside a collective, and for one step's result (SHARDLM_COLLECTIVE_TIMEOUT_S)."""
     log_level: str = "WARNING"
     """Level of the rank processes' log lines (the CLI's -v sets INFO)."""
 
@@ -69,7 +88,8 @@ class Settings:
                                 "pick one")
         values = dict(home=home(env), kernels=kernels, fused=_flag(env, "SHARDLM_FUSED", True),
                       cuda_graphs=_flag(env, "SHARDLM_CUDA_GRAPHS", True),
-                      offload_uncached=_flag(env, "SHARDLM_OFFLOAD_UNCACHED", False))
+                      offload_uncached=_flag(env, "SHARDLM_OFFLOAD_UNCACHED", False),
+                      collective_timeout_s=_seconds(env, "SHARDLM_COLLECTIVE_TIMEOUT_S", 300.0))
         return cls(**{**values, **overrides})
 
     @property

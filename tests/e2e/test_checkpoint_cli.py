@@ -96,8 +96,8 @@ def test_sigkill_during_shard_and_reshard_leaves_nothing_or_a_complete_checkpoin
     cmds = {"shard": SHARDLM + ["shard", str(medium), "--manifest", str(tp3), "--max-shard-size", "4MB"],
             "reshard": SHARDLM + ["reshard", str(full), "--manifest", str(tp3), "--max-shard-size", "4MB"]}
     out = tmp_path / "out"
-    outcomes = _trials(cmds, out, window, 24, rng)
-    assert outcomes[::2].count("none") >= 4, outcomes  # most kills land mid-write
+    outcomes = _trials(cmds, out, window, 10, rng)  # bench/checkpoint_faults.py runs many more
+    assert outcomes[::2].count("none") >= 2, outcomes  # most kills land mid-write
     shutil.rmtree(out, ignore_errors=True)
     res = subprocess.run(cmds["reshard"] + ["-o", str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr  # no --overwrite needed after the kills
@@ -152,7 +152,7 @@ def test_generate_from_per_rank_files_matches_slicing(tmp_path):
     (["convert", "smollm2-135m", "-o", "{tmp}/c", "--max-shard-size", "12XB"], "--max-shard-size"),
     (["convert", "smollm2-135m", "-o", "{tmp}/c", "--dtype", "int3"], "--dtype int3 is not supported"),
     (["consolidate", "{tmp}", "-o", "{tmp}/c"], "no per-rank files"),
-    (["plan", "debug", "--devices", "2xcpu-4GB", "-o", "{tmp}/no/such/x.yaml"], "no/such/x.yaml; nothing was written"),
+    (["plan", "debug", "--devices", "2xcpu-4GB", "-o", "{tmp}/no/such/x.yaml"], "no/such' does not exist; create it first"),
     (["convert", "smollm2-135m", "-o", "{tmp}/c", "--verify", "quick"], "--verify quick is not a mode"),
 ])
 def test_bad_checkpoint_commands_exit_2(tmp_path, args, expect):

@@ -21,7 +21,9 @@ WORDS = {("generate", "dtype"), ("generate", "quantization"), ("generate", "devi
          ("plan", "objective"), ("shard", "dtype"), ("consolidate", "dtype"), ("convert", "dtype"),
          ("convert", "quantization"), ("perplexity", "dtype"), ("perplexity", "quantization"),
          ("perplexity", "device"), ("generate", "verify"), ("shard", "verify"), ("reshard", "verify"),
-         ("consolidate", "verify"), ("convert", "verify")}
+         ("consolidate", "verify"), ("convert", "verify"), ("serve", "dtype"), ("serve", "quantization"),
+         ("serve", "device"), ("serve", "verify"), ("serve", "host"), ("serve", "api_key"),
+         ("serve", "served_model_name")}
 """Options that take a word from a short list (or free text) rather than a number or a path."""
 
 

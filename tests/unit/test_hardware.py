@@ -281,16 +281,17 @@ def test_load_cluster_defaults_and_plain_numbers(tmp_path):
 
 
 BAD_YAML = [
-    # (file text, path in the message, line, other fragment)
+    # (file text, path in the message ("" for the whole file), line, other fragment); messages read
+    # "cluster.yaml:LINE: path: problem; fix", as manifests do
     ("nodes:\n  - name: a\n    devices:\n      - {type: H100}\n"
      "      - {type: my-accel, memory: 40GB, flops: 1PFLOPS}\n",
      "nodes[0].devices[1].bandwidth", 5, "memory, bandwidth and flops are required"),
     ("nodes:\n  - devices:\n    - type: cpu\n      count: 2\n",
      "nodes[0].devices[0].memory", 3, "memory: 4GB"),
-    ("- a\n- b\n", "top level", 1, "expected a mapping"),
-    ("inter_node: {bandwidth: 1GB/s}\nnodes: []\n", "nodes", 2, "list at least one node"),
-    ("inter_node: {bandwidth: 1GB/s}\n", "nodes", 1, "list at least one node"),
-    ("nodes:\n  - devices: [{type: T4, count: 0}]\n", "nodes[0].devices[0].count", 2, "whole number >= 1"),
+    ("- a\n- b\n", "", 1, "expected a mapping with `nodes` at the top level, got a list"),
+    ("inter_node: {bandwidth: 1GB/s}\nnodes: []\n", "nodes", 2, "expected a list of at least one node, got an empty list"),
+    ("inter_node: {bandwidth: 1GB/s}\n", "nodes", 1, "missing; add it at the top level, set to the machines"),
+    ("nodes:\n  - devices: [{type: T4, count: 0}]\n", "nodes[0].devices[0].count", 2, "expected an integer >= 1, got 0"),
     ("nodes:\n  - devices:\n    - type: T4\n      count: two\n", "nodes[0].devices[0].count", 4, "got 'two'"),
     ("nodes:\n  - devices:\n    - type: T4\n      memory: lots\n", "nodes[0].devices[0].memory", 4,
      "cannot read 'lots' as a size"),
@@ -299,13 +300,14 @@ BAD_YAML = [
      "nodes[0].devices[0].link_latency", 3, "greater than zero"),
     ("nodes:\n  - devices:\n    - {type: x9, memory: 1GB, bandwidth: 1GHz, flops: 1TFLOPS}\n",
      "nodes[0].devices[0].bandwidth", 3, "unknown unit 'GHz'"),
-    ("nodes:\n  - devices:\n    - {typ: T4}\n", "nodes[0].devices[0].typ", 3, "unknown key 'typ'"),
-    ("nodes:\n  - devices:\n    - {count: 2}\n", "nodes[0].devices[0].type", 3, "give the device type"),
-    ("nodes:\n  - name: a\n    devices: []\n", "nodes[0].devices", 3, "list at least one device"),
-    ("nodes:\n  - name: a\n", "nodes[0].devices", 2, "list at least one device"),
+    ("nodes:\n  - devices:\n    - {typ: T4}\n", "nodes[0].devices[0].typ", 3, "unknown key (did you mean 'type'?)"),
+    ("nodes:\n  - devices:\n    - {count: 2}\n", "nodes[0].devices[0].type", 3,
+     "missing; add it under nodes[0].devices[0], set to a catalog name such as H100-80GB"),
+    ("nodes:\n  - name: a\n    devices: []\n", "nodes[0].devices", 3, "expected a list of at least one device, got an empty list"),
+    ("nodes:\n  - name: a\n", "nodes[0].devices", 2, "missing; add it under nodes[0]"),
     ("nodes:\n  - devices:\n    - {type: T4}\n    - {type: cpu, memory: 1GB}\n", "nodes[0].devices[1]", 4,
      "node of their own"),
-    ("nodes:\n  - devices: [{type: T4}]\n    cores: many\n", "nodes[0].cores", 3, "whole number >= 1"),
+    ("nodes:\n  - devices: [{type: T4}]\n    cores: many\n", "nodes[0].cores", 3, "expected an integer >= 1, got 'many'"),
     ("nodes:\n  - devices: [{type: T4}]\ninter_node:\n  latency: soon\n", "inter_node.latency", 4, "a duration"),
     ("nodes:\n  - devices: [{type: T4}]\ninter_node: fast\n", "inter_node", 3, "expected a mapping"),
     ("nodes:\n  - devices: [{type: T4}\n", "", 3, "not valid YAML"),
@@ -318,8 +320,8 @@ def test_load_cluster_errors_name_path_and_line(tmp_path, text, where, line, fra
     with pytest.raises(HardwareError) as err:
         load_cluster(path)
     message = str(err.value)
-    assert message.startswith(f"{path}: line {line}: {where}"), message
-    assert fragment in message
+    assert message.startswith(f"{path}:{line}: {where}"), message
+    assert fragment in message and "\n" not in message
 
 
 def test_load_cluster_missing_file(tmp_path):

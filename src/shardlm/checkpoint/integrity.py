@@ -24,9 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from shardlm.checkpoint.headers import SafetensorsHeader
 
 log = logging.getLogger(__name__)
@@ -41,10 +38,10 @@ SEEN_NAME = "verified.json"
 SEEN_LIMIT = 20000
 """Most files remembered; the oldest are forgotten first (they are simply hashed again)."""
 CHUNK = 16 * 2**20
-TORCH_FLOATS = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 # NaN and Inf are the floats whose exponent bits are all ones: one mask per width, no float decoding
-NONFINITE = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80), "F32": (np.uint32, 0x7F800000),
-             "F64": (np.uint64, 0x7FF0000000000000)}
+NONFINITE = {"F16": ("uint16", 0x7C00), "BF16": ("uint16", 0x7F80), "F32": ("uint32", 0x7F800000),
+             "F64": ("uint64", 0x7FF0000000000000)}
+TORCH_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
 @dataclass
@@ -64,9 +61,13 @@ def _count_nonfinite(chunk: memoryview, dtype: str) -> int:
     at memory speed, so the exact count by exponent bits runs only when the sum says something is
     wrong (or a float16 sum overflows, which the count then clears).
     """
-    if bool(torch.isfinite(torch.frombuffer(chunk, dtype=TORCH_FLOATS[dtype]).sum())):
+    import numpy as np  # imported here: the driver imports this module for its modes, never torch
+    import torch
+
+    if bool(torch.isfinite(torch.frombuffer(chunk, dtype=getattr(torch, TORCH_FLOATS[dtype])).sum())):
         return 0
-    width, mask = NONFINITE[dtype]
+    name, mask = NONFINITE[dtype]
+    width = getattr(np, name)
     words = np.frombuffer(chunk, dtype=width)
     return int(np.count_nonzero((words & width(mask)) == mask))
 

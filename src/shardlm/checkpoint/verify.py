@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardlm.checkpoint.contain import check_folder_entries, inside
-from shardlm.checkpoint.headers import INDEX_NAME, CheckpointError, SafetensorsError, open_checked, weight_files
+from shardlm.checkpoint.headers import (INDEX_NAME, CheckpointError, SafetensorsError, SafetensorsHeader, open_checked,
+                                        weight_files)
 from shardlm.checkpoint.integrity import DEFAULT_VERIFY, VERIFY_MODES, check_contents
-from shardlm.checkpoint.layout import layout_problems, rank_problems
-from shardlm.checkpoint.reader import SafetensorsFile
 from shardlm.checkpoint.sharded import INFO_NAME, is_sharded, looks_interrupted, rank_folder, read_info
 from shardlm.models.args import ModelConfigError, read_config
 from shardlm.models.registry import args_for_config
@@ -49,7 +48,7 @@ class Report:
         return not self.problems
 
 
-def check_files(folder: Path, recorded: dict, rep: Report, named_by: str) -> dict[str, SafetensorsFile]:
+def check_files(folder: Path, recorded: dict, rep: Report, named_by: str) -> dict[str, SafetensorsHeader]:
     """Containment, size and header of every recorded file; returns the opened safetensors headers.
 
     Files that pass are queued in `rep.content` with their recorded sha256 for the content check.
@@ -73,7 +72,7 @@ def check_files(folder: Path, recorded: dict, rep: Report, named_by: str) -> dic
             continue
         if fname.endswith(".safetensors"):
             try:
-                opened[fname] = SafetensorsFile(path)
+                opened[fname] = SafetensorsHeader(path)
             except SafetensorsError as e:
                 rep.problems.append(str(e))
                 continue
@@ -112,6 +111,9 @@ def verify(folder: str | Path, checksums: bool = True, mode: str | None = None) 
 
 
 def _sharded_problems(folder: Path, family, args, rep: Report) -> None:
+    # imported here: judging rank slices builds meta models (torch); a Hugging Face folder needs none of it
+    from shardlm.checkpoint.layout import layout_problems, rank_problems
+
     try:
         info = read_info(folder)
     except CheckpointError as e:

@@ -34,15 +34,20 @@ def _dtype(dtype: Optional[str]) -> Optional[str]:
     return dtype
 
 
-def _layout_from_manifest(path: str) -> tuple[int, tuple[tuple[int, int], ...], dict]:
-    """tp, stage ranges and the parsed document of a manifest (exits with its error when it is malformed)."""
+def _layout_from_manifest(path: str, model: Path) -> tuple[int, tuple[tuple[int, int], ...], dict]:
+    """tp, stage ranges and the parsed document of a manifest; exits with one line when it is malformed or was
+    made for another model than `model` (its architecture, parameters or layers differ)."""
     import yaml
 
-    from shardlm.manifest import ManifestError, read_manifest
+    from shardlm.checkpoint.contain import check_folder_entries
+    from shardlm.manifest import ManifestError, check_model, read_manifest
+    from shardlm.plan.make import load_model
 
     try:
         plan = read_manifest(path)
-    except ManifestError as e:
+        check_folder_entries(model)  # nothing outside the folder is read, config.json included
+        check_model(plan, load_model(str(model))[0], path)
+    except (ManifestError, CheckpointError, ModelConfigError) as e:
         _fail(str(e))
     lay = plan.layout
     return lay.tp, tuple(lay.stage_layers), yaml.safe_load(Path(path).read_text())
@@ -73,8 +78,9 @@ def shard(model: str = typer.Argument(..., parser=o.ModelPath(), help="Model fol
     """Write per-rank safetensors files for a plan: each rank's slices (TP and PP), size-capped, indexed."""
     from shardlm.checkpoint.shard import shard as do_shard
 
-    tp, stages, doc = _layout_from_manifest(manifest)
-    stats = _run(do_shard, _model_folder(model), Path(output), tp, stages, max_shard_size, _dtype(dtype),
+    folder = _model_folder(model)
+    tp, stages, doc = _layout_from_manifest(manifest, folder)
+    stats = _run(do_shard, folder, Path(output), tp, stages, max_shard_size, _dtype(dtype),
                  overwrite, not as_json, doc, verify=verify)
     _report(stats, "sharded", output, as_json)
 
@@ -92,7 +98,7 @@ def reshard(source: str = typer.Argument(..., parser=o.ExistingPath("folder"), h
 
     if not is_sharded(Path(source)):
         _fail(f"{source} holds no per-rank files (no shardlm.json); use `shardlm shard {source} --manifest ...`")
-    tp, stages, doc = _layout_from_manifest(manifest)
+    tp, stages, doc = _layout_from_manifest(manifest, Path(source))
     stats = _run(do_shard, Path(source), Path(output), tp, stages, max_shard_size, None, overwrite, not as_json,
                  doc, verify=verify)
     _report(stats, "resharded", output, as_json)

@@ -11,7 +11,6 @@ from rich.table import Table
 
 from shardlm import bundled
 from shardlm.checkpoint.headers import CheckpointError
-from shardlm.checkpoint.verify import check_before_use
 from shardlm.cli import options as o
 from shardlm.cli.common import err, out
 from shardlm.cli.common import fail as _fail
@@ -68,6 +67,8 @@ def perplexity(
         _fail(f"--text {text}: {e}; give a readable UTF-8 text file")
     try:
         folder = bundled.resolve_model(model)
+        from shardlm.checkpoint.verify import check_before_use
+
         check_before_use(folder)  # the checkpoint integrity check every read path runs (checkpoint/verify.py)
         source = ModelSource.open(folder)
         require_runnable(source.family, source.args)

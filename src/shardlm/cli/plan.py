@@ -17,7 +17,8 @@ from shardlm.hardware import HardwareError
 from shardlm.models.args import ModelConfigError
 from shardlm.plan.inspect import inspect_model
 from shardlm.plan.layout import LayoutError
-from shardlm.plan.make import PlanError, check_options, default_kv, load_devices, load_model, make_plan, repredict
+from shardlm.plan.make import (PlanError, check_options, cluster_for, default_kv, load_devices, load_model, make_plan,
+                               repredict)
 from shardlm.plan.plan import Plan
 from shardlm.plan.search import Request
 from shardlm.plan.validate import violations
@@ -195,9 +196,12 @@ def _print_plan(result, best: Plan, show: int) -> None:
 def validate(manifest: str = typer.Argument(..., parser=o.ExistingPath("file"), help="Manifest YAML written by `shardlm plan` (maybe edited)."),
              as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Re-predict a manifest and check every device's budget and the stage balance; exit 2 on a violation."""
-    from shardlm.manifest import ManifestError, read_manifest
+    from shardlm.manifest import ManifestError, check_devices, check_model, read_manifest
     try:
-        plan_ = repredict(read_manifest(manifest))
+        read = read_manifest(manifest)
+        check_model(read, load_model(read.model.name)[0], manifest)
+        check_devices(read, cluster_for(read.cluster), manifest)
+        plan_ = repredict(read)
     except (ManifestError, *USER_ERRORS) as e:
         _fail(str(e))
     problems = violations(plan_)

@@ -74,7 +74,8 @@ class RankGroup:
     shm: bool = True
     """Use the shared-memory transport for collectives between local ranks."""
     timeout_s: float = 300.0
-    """Longest wait for a peer inside a collective, and for the ranks to load."""
+    """Longest wait for a peer inside a collective, and for one step's result. Loading has no deadline: a
+    rank that dies or stops its heartbeat while loading is reported at once, a slow disk is not a fault."""
     ready: list[dict] = field(default_factory=list)
     load_s: float = 0.0
 
@@ -118,7 +119,7 @@ class RankGroup:
         """Wait until every spawned rank has loaded; RankFailure naming a rank that failed, died or hung."""
         got = {}
         while len(got) < self.world:
-            kind, rank, payload = self.receive(self.timeout_s)
+            kind, rank, payload = self.receive(None)
             if kind == "ready":
                 got[rank] = payload
         self.ready = [got[r] for r in range(self.world)]

@@ -111,6 +111,8 @@ class StopText:
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add one token: (newly released text, True when a stop string was reached)."""
         self.ids.append(token_id)
+        if self.tokenizer is None:  # a weights-only folder: token ids, no text (stops are refused at submit)
+            return "", False
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for the next token
             return "", False

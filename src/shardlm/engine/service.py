@@ -25,7 +25,7 @@ from typing import AsyncIterator, Iterator
 from shardlm.engine.ranks import RankFailure, RankGroup
 from shardlm.engine.requests import GenerationParams, Request, RequestError, TokenEvent
 from shardlm.engine.scheduler import Scheduler
-from shardlm.engine.text import load_tokenizer
+from shardlm.engine.text import has_tokenizer, load_tokenizer
 from shardlm.models.source import ModelSource
 from shardlm.plan.plan import Plan
 from shardlm.settings import Settings
@@ -58,10 +58,11 @@ class Engine:
     """Ranks of a Plan, started once, serving requests (see the module docstring)."""
 
     def __init__(self, plan: Plan, source: ModelSource, settings: Settings | None = None, max_queue: int = 1024,
-                 threads: int | None = None, shm: bool = True, timeout_s: float = 300.0, tokenizer=None):
+                 threads: int | None = None, shm: bool = True, timeout_s: float | None = None, tokenizer=None):
         self.plan, self.source, self.max_queue = plan, source, max_queue
         self.settings = settings or Settings.from_env()
-        self.group = RankGroup(plan, source, self.settings, threads, shm, timeout_s)
+        self.group = RankGroup(plan, source, self.settings, threads, shm,
+                               timeout_s or self.settings.collective_timeout_s)
         self.tokenizer = tokenizer
         kv = plan.kv
         self.scheduler = Scheduler(kv.max_batch, kv.max_seq_len, kv.prefill_chunk, source.args.eos_token_ids)
@@ -86,8 +87,8 @@ class Engine:
 
     def wait_ready(self) -> "Engine":
         """Wait for the spawned ranks to load, then start scheduling (any thread may call it)."""
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(Path(self.source.folder))
+        if self.tokenizer is None and has_tokenizer(Path(self.source.folder)):
+            self.tokenizer = load_tokenizer(Path(self.source.folder))  # token-id prompts need none
         self.group.wait_ready()
         self._thread = threading.Thread(target=self._loop, name="shardlm-scheduler", daemon=True)
         self._thread.start()
@@ -132,6 +133,10 @@ class Engine:
         params = params or GenerationParams()
         kv = self.plan.kv
         params.validate(kv.max_seq_len)
+        if (isinstance(prompt, str) or params.stop) and self.tokenizer is None:
+            raise RequestError("prompt" if isinstance(prompt, str) else "stop",
+                               f"{self.source.folder} has no tokenizer files, so text prompts and stop strings "
+                               "cannot be used; send token ids, or copy the model's tokenizer into that folder")
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("prompt", "the prompt is empty; give at least one token")

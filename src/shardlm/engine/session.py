@@ -16,6 +16,7 @@ from typing import Callable
 
 from shardlm import bundled
 from shardlm.checkpoint.check import check_checkpoint
+from shardlm.checkpoint.contain import check_folder_entries
 from shardlm.checkpoint.headers import CheckpointError
 from shardlm.checkpoint.integrity import DEFAULT_VERIFY
 from shardlm.checkpoint.sharded import ShardedInfo, check_layout, is_sharded, read_info
@@ -24,6 +25,7 @@ from shardlm.engine.checks import UserError, check_budget, check_runnable, for_d
 from shardlm.engine.engine import GenerateResult, LocalEngine
 from shardlm.engine.requests import TokenEvent
 from shardlm.engine.text import encode_prompts, load_tokenizer, pad_id
+from shardlm.manifest import ManifestError, check_model
 from shardlm.models.args import ModelConfigError
 from shardlm.models.inventory import parameter_count
 from shardlm.models.registry import require_runnable
@@ -58,12 +60,13 @@ class Job:
     prompt_ids: list[list[int]]
 
 
-def open_model(model: str | None, verify: str = DEFAULT_VERIFY) -> ModelSource:
-    """The model a run uses (a folder, or the bundled model for None / its alias), checked before anything
-    reads it (`--verify`: checkpoint/verify.py check_before_use)."""
+def open_model(model: str | None) -> ModelSource:
+    """The model a run uses (a folder, or the bundled model for None / its alias): its config, read only after
+    every entry of the folder is found inside it. Its data is verified later (check_files), once the plan
+    says the model fits: a model too large for the machine is refused before its files are hashed."""
     try:
         folder = bundled.resolve_model(model)
-        check_before_use(folder, verify)
+        check_folder_entries(folder)
         source = ModelSource.open(folder)
         require_runnable(source.family, source.args)
     except (bundled.BundledModelError, ModelConfigError, CheckpointError) as e:
@@ -86,7 +89,7 @@ def plan_run(model: str | None = None, flags: RunFlags = RunFlags(), kv: KVBudge
     recorded layout is used unless `given` names a layout flag."""
     if manifest is not None and model is None:
         model = model_folder(manifest[0])
-    source = open_model(model, verify)
+    source = open_model(model)
     seq = min(source.args.max_seq_len, 4096)
     kv = manifest[0].kv if manifest is not None else kv or KVBudget(1, seq, min(seq, 2048))
     if kv.max_seq_len > source.args.max_seq_len:
@@ -96,7 +99,7 @@ def plan_run(model: str | None = None, flags: RunFlags = RunFlags(), kv: KVBudge
         kv = replace(kv, max_seq_len=source.args.max_seq_len, prefill_chunk=min(kv.prefill_chunk,
                                                                                  source.args.max_seq_len))
     plan = settle_plan(source, flags, set(given), kv, manifest)
-    check_files(plan, source)
+    check_files(plan, source, verify)
     return plan, source
 
 
@@ -122,6 +125,7 @@ def settle_plan(source: ModelSource, flags: RunFlags, given: set[str], kv: KVBud
     try:
         if manifest is not None:
             plan, path = manifest
+            check_model(plan, model_ref(source), path)  # a manifest made for another model stops here
             plan = for_device(plan, flags.device if "device" in given else None, path)
             check_runnable(plan, path)
             check_budget(plan, kv.max_seq_len, path)
@@ -133,13 +137,18 @@ def settle_plan(source: ModelSource, flags: RunFlags, given: set[str], kv: KVBud
         if source.quantization and "quantization" not in given:
             flags = replace(flags, quantization=source.quantization)
         return plan_for_run(model_ref(source), source.family, source.args, flags, kv)
-    except (PlanError, CheckpointError) as e:
+    except (PlanError, CheckpointError, ManifestError) as e:
         raise UserError(str(e)) from e
 
 
-def check_files(plan: Plan, source: ModelSource) -> None:
-    """Headers against config.json (an ordinary checkpoint) or the layout against the plan (per-rank files)."""
+def check_files(plan: Plan, source: ModelSource, verify: str = DEFAULT_VERIFY) -> None:
+    """The checkpoint verified in mode `verify` (checkpoint/verify.py check_before_use), then its headers
+    against config.json (an ordinary checkpoint) or its layout against the plan (per-rank files)."""
     folder = Path(source.folder)
+    try:
+        check_before_use(folder, verify)
+    except CheckpointError as e:
+        raise UserError(str(e)) from e
     stored, asked = source.quantization, None if plan.quantization == "none" else plan.quantization
     if stored and asked and asked != stored:
         raise UserError(f"{folder} holds {stored} weights (quantization_config in config.json); --quantization "
@@ -178,10 +187,11 @@ def prepare(request: GenerateRequest, model: str | None, flags: RunFlags, given:
         raise UserError("empty prompt: give at least one non-empty PROMPT, e.g. shardlm generate \"Hello\"")
     if manifest is not None and model is None:
         model = model_folder(manifest[0])
-    source = open_model(model, verify)
+    source = open_model(model)
     batch = len(request.prompts)
     # the layout, the memory and the files are checked first, with the least KV cache the request needs
-    check_files(settle_plan(source, flags, given, KVBudget(batch, request.max_new_tokens + 1, 1), manifest), source)
+    check_files(settle_plan(source, flags, given, KVBudget(batch, request.max_new_tokens + 1, 1), manifest), source,
+                verify)
     try:
         tok = load_tokenizer(Path(source.folder))
         ids = encode_prompts(tok, request.prompts, request.chat)

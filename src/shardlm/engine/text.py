@@ -7,6 +7,14 @@ from pathlib import Path
 from shardlm.models.args import ModelConfigError
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether `folder` holds tokenizer files (a weights-only folder serves token ids only)."""
+    return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(folder: Path):
     """The tokenizer stored beside the weights.
 
@@ -16,7 +24,7 @@ def load_tokenizer(folder: Path):
     tokenizer.model or vocab.json go through AutoTokenizer.
     """
     folder = Path(folder)
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if not has_tokenizer(folder):
         raise ModelConfigError(
             f"{folder} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); copy the "
             "tokenizer of the model into that folder"

@@ -89,10 +89,11 @@ def make_plan(req: Request) -> Result:
 
 
 def repredict(plan: Plan) -> Plan:
-    """The same plan with predictions recomputed from its model, cluster and layout (for validate)."""
+    """The same plan with predictions recomputed from its model, cluster and layout (for validate; check the
+    plan against its model and cluster first: manifest.check_model, manifest.check_devices)."""
     _, family, args = load_model(plan.model.name)
-    st = Setting(args, family.tp_plan, cluster_for(plan.cluster), plan.dtype, plan.quantization, plan.kv,
-                 plan.offload)
+    cluster = cluster_for(plan.cluster)
+    st = Setting(args, family.tp_plan, cluster, plan.dtype, plan.quantization, plan.kv, plan.offload)
     return replace(plan, predictions=predict(st, plan.layout))
 
 
