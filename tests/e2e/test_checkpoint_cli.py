@@ -96,8 +96,8 @@ def test_sigkill_during_shard_and_reshard_leaves_nothing_or_a_complete_checkpoin
     cmds = {"shard": SHARDLM + ["shard", str(medium), "--manifest", str(tp3), "--max-shard-size", "4MB"],
             "reshard": SHARDLM + ["reshard", str(full), "--manifest", str(tp3), "--max-shard-size", "4MB"]}
     out = tmp_path / "out"
-    outcomes = _trials(cmds, out, window, 10, rng)  # bench/checkpoint_faults.py runs many more
-    assert outcomes[::2].count("none") >= 2, outcomes  # most kills land mid-write
+    outcomes = _trials(cmds, out, window, 6, rng)  # bench/checkpoint_faults.py runs many more
+    assert outcomes[::2].count("none") >= 1, outcomes  # most kills land mid-write
     shutil.rmtree(out, ignore_errors=True)
     res = subprocess.run(cmds["reshard"] + ["-o", str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr  # no --overwrite needed after the kills
@@ -117,7 +117,7 @@ def test_sigkill_during_consolidate_and_convert_leaves_nothing_or_a_complete_che
             "convert": SHARDLM + ["convert", str(medium), "--max-shard-size", "4MB"]}
     window = _window(cmds["convert"], tmp_path / "probe")
     out = tmp_path / "out"
-    _trials(cmds, out, window, 8, rng)
+    _trials(cmds, out, window, 4, rng)
     shutil.rmtree(out, ignore_errors=True)
     res = subprocess.run(cmds["consolidate"] + ["-o", str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and verify(out).ok and not stale_siblings(out), res.stderr

@@ -143,6 +143,10 @@ class Engine:
         vocab = self.source.args.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestError("prompt", f"prompt token ids must be integers in 0..{vocab - 1}")
+        if len(ids) >= kv.max_seq_len:
+            raise RequestError("prompt", f"the prompt has {len(ids)} tokens but the engine holds {kv.max_seq_len} "
+                                         "tokens per sequence (kv_cache.max_seq_len), generated ones included; "
+                                         "shorten the prompt, or serve with a larger --max-seq-len")
         if len(ids) + params.max_tokens > kv.max_seq_len:
             raise RequestError("max_tokens", f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: "
                                              f"{len(ids) + params.max_tokens} in all, but the engine holds "

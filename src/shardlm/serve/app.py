@@ -5,6 +5,7 @@
     POST /v1/chat/completions   messages through the model's chat template; stream
     GET  /health                200 once every rank has loaded; 503 with the reason otherwise
     GET  /version               shardlm's version
+    GET  /stats                 requests running and waiting, KV-cache slots, steps, finished by reason
 
 With an API key, /v1/* wants `Authorization: Bearer KEY` (401 otherwise); health and version stay
 open for probes. Errors are OpenAI's JSON (serve/errors.py).
@@ -12,6 +13,7 @@ open for probes. Errors are OpenAI's JSON (serve/errors.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -86,6 +88,13 @@ def create_app(service: Service) -> FastAPI:
     async def health():
         ok, reason = service.health()
         return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
+
+    @app.get("/stats")
+    async def stats():
+        if not service.ready.is_set():
+            return JSONResponse({"ready": False, "reason": service.health()[1]}, status_code=503)
+        st = dataclasses.asdict(service.engine.stats())
+        return {"ready": True, **st, "free_slots": st["slots"] - st["running"]}
 
     @app.get("/version")
     async def version():

@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Request as HttpRequest
 
 from shardlm.engine.requests import GenerationParams, Request, TokenEvent
-from shardlm.serve.errors import ApiError, submit_error
+from shardlm.serve.errors import ApiError, error_response, submit_error
 
 
 @dataclass
@@ -127,13 +127,19 @@ def sse(data: dict | str) -> str:
 async def stream_body(call: Call, chunk_for: Callable[[Choice, TokenEvent], list[dict]],
                       usage_chunk: dict | None) -> AsyncIterator[str]:
     """An SSE body: chunks per event, the usage chunk when given (completed at the end), then [DONE]. A client
-    that goes away ends the generator early, which cancels its requests."""
+    that goes away ends the generator early, which cancels its requests. A failure (a rank died) ends the
+    stream with one `data: {"error": ...}` message (the status line has been sent already), then [DONE]."""
     try:
         async for c, event in call.events():
+            if event.finish_reason == "error":
+                body = error_response(500, f"generation failed: {event.error or 'the engine stopped'}").body
+                yield sse(body.decode())
+                break
             for chunk in chunk_for(c, event):
                 yield sse(chunk)
-        if usage_chunk is not None:
-            yield sse({**usage_chunk, "usage": call.usage()})
+        else:
+            if usage_chunk is not None:
+                yield sse({**usage_chunk, "usage": call.usage()})
         yield sse("[DONE]")
     finally:
         call.cancel()  # no-op for finished choices; frees the slots of a client that went away

@@ -8,6 +8,8 @@ model, 429 the queue is full, 500 a failed rank (named), 503 the engine is loadi
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 from shardlm.engine.requests import RequestError
@@ -15,6 +17,8 @@ from shardlm.engine.service import EngineClosed, QueueFull
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
          500: "server_error", 503: "service_unavailable"}
+
+UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
 
 
 class ApiError(Exception):
@@ -49,7 +53,8 @@ def submit_error(e: Exception) -> ApiError:
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """(message, parameter) for pydantic's first validation error of a request body."""
     err = errors[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # a union's branch shows up in the path ("stop", "str"): keep field names and list indexes only
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not UNION_BRANCH.match(str(x))]
     param = ".".join(loc) or None
     got = err.get("input")
     shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__

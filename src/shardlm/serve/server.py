@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import signal
 import socket
 import threading
 import time
@@ -60,12 +61,18 @@ def serve(service: Service, sock: socket.socket, drain_s: float = 30.0) -> int:
         original(sig, frame)
 
     server.handle_exit = handle_exit
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught once it has stopped;
+        signal.signal(sig, _after_shutdown)       # this handler takes it, so a drained server exits 0
     try:
         server.run(sockets=[sock])
     finally:
         loader.join(timeout=1)
         service.engine.close(drain_s=0, force=service.loading_error is not None)
     return 1 if service.loading_error is not None else 0
+
+
+def _after_shutdown(sig, frame) -> None:
+    """The signal that stopped the server, raised again by uvicorn after the drain: nothing left to do."""
 
 
 def _load(service: Service, server: uvicorn.Server) -> None:
