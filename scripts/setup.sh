@@ -3,6 +3,16 @@
 # shardlm itself (editable, with test tools) and the bundled default model. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# tools the tests drive (promtool and a Prometheus server, headless Chromium); a test skips, saying so, without them
+if ! command -v promtool >/dev/null || ! command -v chromium >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q --no-install-recommends prometheus chromium >/dev/null 2>&1 \
+      || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends prometheus chromium >/dev/null 2>&1) \
+      || echo "setup: could not install prometheus and chromium (apt); the tests that need them will skip"
+  else
+    echo "setup: install the packages prometheus and chromium for the monitoring tests (they skip without them)"
+  fi
+fi
 python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip

@@ -23,7 +23,7 @@ WORDS = {("generate", "dtype"), ("generate", "quantization"), ("generate", "devi
          ("perplexity", "device"), ("generate", "verify"), ("shard", "verify"), ("reshard", "verify"),
          ("consolidate", "verify"), ("convert", "verify"), ("serve", "dtype"), ("serve", "quantization"),
          ("serve", "device"), ("serve", "verify"), ("serve", "host"), ("serve", "api_key"),
-         ("serve", "served_model_name")}
+         ("serve", "served_model_name"), ("top", "url")}
 """Options that take a word from a short list (or free text) rather than a number or a path."""
 
 

@@ -393,7 +393,7 @@ def test_lm_eval_log_likelihoods_equal_shardlm_perplexity(server, bundled_dir, t
     assert res.returncode == 0, res.stderr[-3000:]
     samples = [json.loads(line) for f in (tmp_path / "out").rglob("samples_shardlm_ll*.jsonl") for line in f.open()]
     assert len(samples) == 1, res.stdout[-2000:]
-    loglik = samples[0]["resps"][0][0][0]
+    loglik = float(samples[0]["resps"][0][0][0])  # [[[loglikelihood, is_greedy]]], logged as strings
     ppl = run_cli("perplexity", "--text", str(tmp_path / "text.txt"), "--json")
     assert ppl.returncode == 0, ppl.stderr
     row = json.loads(ppl.stdout)["results"][0]

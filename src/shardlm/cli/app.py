@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from shardlm import logs
-from shardlm.cli import ckpt, eval as evaluate, generate, plan, serve
+from shardlm.cli import ckpt, eval as evaluate, generate, plan, serve, top
 from shardlm.cli.common import err
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -30,6 +30,7 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progr
 
 app.command()(generate.generate)
 app.command()(serve.serve)
+app.command()(top.top)
 for _command in (plan.inspect, plan.plan, plan.validate, plan.calibrate, ckpt.shard, ckpt.reshard, ckpt.consolidate,
                  ckpt.convert, ckpt.verify, evaluate.perplexity):
     app.command()(_command)

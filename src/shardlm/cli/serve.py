@@ -39,6 +39,7 @@ def serve(
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", parser=o.MAX_SEQ_LEN, help="Prompt + generated tokens per sequence (default min(model, 2048))."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", parser=o.PREFILL_CHUNK, help="Prompt tokens prefilled per step beside running decodes (default 256)."),
     drain_s: float = typer.Option(30.0, "--drain-s", parser=o.DRAIN_S, help="On SIGTERM, how long requests in flight may take to finish."),
+    metrics_interval_s: float = typer.Option(5.0, "--metrics-interval-s", parser=o.METRICS_INTERVAL_S, help="How often /metrics gathers the ranks' memory, traffic and step times (0: never)."),
 ) -> None:
     """Serve the model over HTTP (OpenAI API) until SIGTERM or Ctrl-C; exits 0 after draining."""
     from shardlm.engine.service import Engine
@@ -68,7 +69,7 @@ def serve(
     name = served_model_name or _model_name(source.folder)
     err.print(f"serving {name} on http://{host}:{port} (tp={plan.layout.tp} pp={plan.layout.pp}, "
               f"{plan.kv.max_batch} slots x {plan.kv.max_seq_len} tokens); loading...", highlight=False)
-    raise typer.Exit(run(Service(engine, name, api_key), sock, drain_s))
+    raise typer.Exit(run(Service(engine, name, api_key, metrics_interval_s=metrics_interval_s), sock, drain_s))
 
 
 def _address(host: str | None, port: int | None, lay: L.Layout) -> tuple[str, int]:

@@ -28,6 +28,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_id = 0
         self.finished_by_reason: dict[str, int] = {}
+        self.observer = None
+        """Optional: `token(req, now)` before each emitted token, `finish(req, reason, now)` (serve/metrics.py)."""
 
     @property
     def slots(self) -> int:
@@ -122,6 +124,8 @@ class Scheduler:
     def _emit(self, r: Request, got: Sampled, now: float, tokenizer) -> None:
         """Append a sampled token, decide whether the request is finished, and stream the event."""
         token = got.token
+        if self.observer is not None:
+            self.observer.token(r, now)
         r.output_ids.append(token)
         r.first_token_at = r.first_token_at or now
         r.last_token_at = now
@@ -139,7 +143,7 @@ class Scheduler:
         r.deliver(TokenEvent([token], text, [got.logprob] if got.logprob else None, reason))
         if reason is not None:
             r.finish_reason = reason
-            self._count(reason)
+            self._count(r, reason)
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         """End a request that produced no token this step (cancelled, failed, or nothing to generate)."""
@@ -148,10 +152,12 @@ class Scheduler:
         r.finish_reason = reason
         tail = r.stop_text.flush() if r.stop_text is not None and reason != "cancelled" else ""
         r.deliver(TokenEvent([], tail, None, reason, error))
-        self._count(reason)
+        self._count(r, reason)
 
-    def _count(self, reason: str) -> None:
+    def _count(self, r: Request, reason: str) -> None:
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+        if self.observer is not None:
+            self.observer.finish(r, reason, time.monotonic())
 
     def cancel_all(self) -> None:
         """End every request with finish_reason "cancelled" (the engine is closing)."""

@@ -197,6 +197,10 @@ class Engine:
             return False, "the ranks are loading the model"
         return True, "ok"
 
+    def cached_tokens(self) -> int:
+        """Tokens held in the KV cache now (prompt tokens prefilled plus tokens generated, over running requests)."""
+        return sum(r.prefilled + len(r.output_ids) for r in list(self.scheduler.running))
+
     def stats(self) -> EngineStats:
         """Requests running and waiting, slots, steps run, finished requests by reason, health."""
         ok, reason = self.health()

@@ -23,6 +23,32 @@ from shardlm.runtime.step import pick
 from shardlm.runtime.work import Decode, Prefill, Sampled, Step, StepResult
 
 
+STEP_BOUNDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+               1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the step-time histogram each rank keeps for /metrics."""
+
+
+class StepClock:
+    """A histogram of step times, kept on the rank (a few integer adds per step) and read by stats."""
+
+    def __init__(self, bounds: tuple[float, ...] = STEP_BOUNDS):
+        self.bounds, self.counts = bounds, [0] * len(bounds)
+        self.count, self.sum = 0, 0.0
+
+    def add(self, seconds: float) -> None:
+        """Count one step."""
+        self.count += 1
+        self.sum += seconds
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.counts[i] += 1
+                return
+
+    def as_dict(self) -> dict:
+        """Bounds, per-bucket counts (not cumulative), count and sum."""
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "count": self.count, "sum": self.sum}
+
+
 @dataclass
 class _Item:
     """One forward pass of a step: its inputs and the work records it serves."""
@@ -72,6 +98,7 @@ class SlotRunner:
         spec = rank.spec
         self.first, self.last = spec.first_stage, spec.last_stage
         self.micro_batches = spec.micro_batches
+        self.clock = StepClock()
 
     @property
     def reports(self) -> bool:
@@ -92,7 +119,9 @@ class SlotRunner:
                     out.update(self._sample(item, logits))
         finally:
             self.ctx.flush()
-        return StepResult(step.id, out, time.perf_counter() - t0) if self.reports else None
+        seconds = time.perf_counter() - t0
+        self.clock.add(seconds)
+        return StepResult(step.id, out, seconds) if self.reports else None
 
     def _items(self, step: Step) -> list[_Item]:
         items = []

@@ -179,7 +179,17 @@ def _serve(launch: RankLaunch, inbox, outbox, listener) -> None:
 
 def rank_stats(rank: RankModel, ctx: ParallelContext, runner: SlotRunner) -> dict[str, Any]:
     """This rank's counters so far: memory, collectives per op, streaming."""
-    streamer = rank.streamer
-    return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": peak_gpu_bytes(str(rank.device)),
+    streamer, device = rank.streamer, str(rank.device)
+    gpu = device.startswith("cuda")
+    return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": peak_gpu_bytes(device), "rss_bytes": rss_bytes(),
             "comms": ctx.snapshot(), "weight_bytes": rank.resident_bytes(), "kv_cache_bytes": runner.cache.nbytes(),
+            "streamed_bytes": rank.streamed_bytes_per_step(), "steps": runner.clock.as_dict(),
+            "gpu_allocated_bytes": int(torch.cuda.memory_allocated(device)) if gpu else None,
+            "gpu_reserved_bytes": int(torch.cuda.memory_reserved(device)) if gpu else None,
             "streaming": streamer.stats.as_dict() if streamer is not None else None}
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (VmRSS), in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

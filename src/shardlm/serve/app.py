@@ -6,6 +6,9 @@
     GET  /health                200 once every rank has loaded; 503 with the reason otherwise
     GET  /version               shardlm's version
     GET  /stats                 requests running and waiting, KV-cache slots, steps, finished by reason
+    GET  /metrics               Prometheus text: requests, KV cache, memory per rank by kind, traffic per link,
+                                step time per stage, each beside the plan's prediction (serve/metrics.py)
+    GET  /dashboard             one page drawing /metrics live (serve/dashboard.html; no build, no network)
 
 With an API key, /v1/* wants `Authorization: Bearer KEY` (401 otherwise); health and version stay
 open for probes. Errors are OpenAI's JSON (serve/errors.py).
@@ -13,6 +16,7 @@ open for probes. Errors are OpenAI's JSON (serve/errors.py).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 import shardlm
 from shardlm.serve.chat import chat
@@ -40,6 +44,29 @@ class Service:
     api_key: str | None = None
     loading_error: str | None = None
     ready: threading.Event = field(default_factory=threading.Event)
+    metrics_interval_s: float = 5.0
+    """How often the ranks' counters are gathered for /metrics (0: never; /metrics then has requests only)."""
+    registry: object = None
+    poller: object = None
+
+    def start_metrics(self) -> None:
+        """Register the request metrics with the engine and start polling the ranks."""
+        from prometheus_client import CollectorRegistry
+
+        from shardlm.serve.metrics import EngineCollector, RankPoller, RequestMetrics
+
+        self.registry = CollectorRegistry()
+        self.engine.scheduler.observer = RequestMetrics(self.registry, self.model_name)
+        self.poller = RankPoller(self.engine, self.metrics_interval_s or 1e9)
+        self.registry.register(EngineCollector(self.engine, self.poller, self.model_name))
+
+    def metrics_text(self) -> bytes:
+        """The exposition, with the ranks' counters as of the last poll (polled now if there was none)."""
+        from prometheus_client import generate_latest
+
+        if self.poller.latest is None and self.ready.is_set() and self.metrics_interval_s:
+            self.poller.poll()
+        return generate_latest(self.registry)
 
     def check_model(self, name: str) -> None:
         """ApiError 404 unless `name` is the served model."""
@@ -89,12 +116,7 @@ def create_app(service: Service) -> FastAPI:
         ok, reason = service.health()
         return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
 
-    @app.get("/stats")
-    async def stats():
-        if not service.ready.is_set():
-            return JSONResponse({"ready": False, "reason": service.health()[1]}, status_code=503)
-        st = dataclasses.asdict(service.engine.stats())
-        return {"ready": True, **st, "free_slots": st["slots"] - st["running"]}
+    _monitoring_routes(app, service)
 
     @app.get("/version")
     async def version():
@@ -116,3 +138,27 @@ def create_app(service: Service) -> FastAPI:
         return await chat(service, body, request)
 
     return app
+
+
+def _monitoring_routes(app: FastAPI, service: Service) -> None:
+    """GET /stats, /metrics and /dashboard."""
+
+    @app.get("/stats")
+    async def stats():
+        if not service.ready.is_set():
+            return JSONResponse({"ready": False, "reason": service.health()[1]}, status_code=503)
+        st = dataclasses.asdict(service.engine.stats())
+        return {"ready": True, **st, "free_slots": st["slots"] - st["running"]}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        loop = asyncio.get_running_loop()  # a first poll waits for a step boundary: not on the event loop
+        return Response(await loop.run_in_executor(None, service.metrics_text), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard")
+    async def dashboard():
+        from importlib.resources import files
+
+        return HTMLResponse(files("shardlm.serve").joinpath("dashboard.html").read_text(encoding="utf-8"))

@@ -47,6 +47,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(service: Service, sock: socket.socket, drain_s: float = 30.0) -> int:
     """Serve until SIGTERM / Ctrl-C (exit status 0) or a failed load (1); the ranks are stopped either way."""
+    service.start_metrics()
     config = uvicorn.Config(create_app(service), log_level="warning", timeout_graceful_shutdown=int(drain_s),
                             access_log=False)
     server = uvicorn.Server(config)
@@ -67,6 +68,8 @@ def serve(service: Service, sock: socket.socket, drain_s: float = 30.0) -> int:
         server.run(sockets=[sock])
     finally:
         loader.join(timeout=1)
+        if service.poller is not None:
+            service.poller.stop()
         service.engine.close(drain_s=0, force=service.loading_error is not None)
     return 1 if service.loading_error is not None else 0
 
@@ -80,6 +83,8 @@ def _load(service: Service, server: uvicorn.Server) -> None:
     after a moment in which requests in flight receive their error."""
     try:
         service.engine.wait_ready()
+        if service.metrics_interval_s:
+            service.poller.start()
         service.ready.set()
         log.warning("ready: serving %s", service.model_name)
     except Exception as e:  # noqa: BLE001 - a failed load ends the server with its reason

@@ -1,0 +1,156 @@
+"""`GET /metrics` of a tp=2 server: what it says equals what happened, promtool accepts it, and a real
+Prometheus server started here scrapes it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving import NAME, Server, free_port
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / ".artifacts"
+"""Test artefacts kept after the run (the dashboard's screenshot); ignored by git."""
+REQUESTS = [("The capital of France is", 5), ("def fibonacci(n):", 9), ("Water boils at", 3)]
+
+
+@pytest.fixture(scope="module")
+def served(bundled_dir):
+    with Server("--tp", "2", "--max-batch", "4", "--max-seq-len", "128", "--metrics-interval-s", "1") as s:
+        tokens = 0
+        for prompt, n in REQUESTS:
+            res = s.post("/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0,
+                                             "ignore_eos": True})
+            assert res.status_code == 200, res.text
+            tokens += res.json()["usage"]["completion_tokens"]
+        time.sleep(2.5)  # at least one rank poll after the requests
+        yield s, tokens
+
+
+def _samples(text: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def _value(samples: dict, name: str, **labels) -> float:
+    hits = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(hits) == 1, (name, labels, samples.get(name))
+    return hits[0]
+
+
+def test_metrics_equal_what_happened(served):
+    s, tokens = served
+    text = httpx.get(s.url + "/metrics", timeout=60).text
+    m = _samples(text)
+    assert _value(m, "shardlm_generation_tokens_total", model_name=NAME) == tokens
+    assert _value(m, "shardlm_time_to_first_token_seconds_count", model_name=NAME) == len(REQUESTS)
+    assert _value(m, "shardlm_e2e_request_latency_seconds_count", model_name=NAME) == len(REQUESTS)
+    itl = sum(n - 1 for _, n in REQUESTS)  # one gap between each two tokens of a request
+    assert _value(m, "shardlm_inter_token_latency_seconds_count", model_name=NAME) == itl
+    assert _value(m, "shardlm_request_finished_total", model_name=NAME, finished_reason="length") == len(REQUESTS)
+    assert _value(m, "shardlm_requests_running", model_name=NAME) == 0
+    assert _value(m, "shardlm_kv_cache_usage_ratio", model_name=NAME) == 0
+    for rank in ("0", "1"):
+        weights = _value(m, "shardlm_rank_memory_bytes", rank=rank, kind="weights")
+        predicted = _value(m, "shardlm_rank_memory_predicted_bytes", rank=rank, kind="weights")
+        assert 0.8 < weights / predicted < 1.25, (rank, weights, predicted)
+        assert _value(m, "shardlm_rank_memory_bytes", rank=rank, kind="rss") > weights
+        assert _value(m, "shardlm_rank_memory_bytes", rank=rank, kind="kv_cache") > 0
+        assert _value(m, "shardlm_rank_memory_capacity_bytes", rank=rank) > weights
+    one_way = _value(m, "shardlm_link_bytes_total", src="0", dst="1", op="all_reduce")
+    assert one_way > 0 and one_way == _value(m, "shardlm_link_bytes_total", src="1", dst="0", op="all_reduce")
+    assert _value(m, "shardlm_stage_step_seconds_count", stage="0") >= sum(n for _, n in REQUESTS) // 2
+    assert _value(m, "shardlm_stage_step_seconds_predicted", stage="0") > 0
+
+
+def test_promtool_accepts_the_exposition(served, tmp_path):
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed (scripts/setup.sh installs the Debian package prometheus)")
+    s, _ = served
+    text = httpx.get(s.url + "/metrics", timeout=60).text
+    res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_prometheus_server_scrapes_it(served, tmp_path):
+    if shutil.which("prometheus") is None:
+        pytest.skip("prometheus is not installed (scripts/setup.sh installs the Debian package prometheus)")
+    s, tokens = served
+    port = free_port()
+    (tmp_path / "p.yml").write_text(f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: shardlm\n"
+                                    f"    static_configs:\n      - targets: ['127.0.0.1:{s.port}']\n")
+    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'p.yml'}", f"--storage.tsdb.path={tmp_path / 'db'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        got, deadline = None, time.monotonic() + 90
+        while time.monotonic() < deadline and got is None:
+            time.sleep(1)
+            try:
+                res = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", timeout=5,
+                                params={"query": "shardlm_generation_tokens_total"}).json()
+            except (httpx.TransportError, ValueError):
+                continue
+            result = res.get("data", {}).get("result", [])
+            got = float(result[0]["value"][1]) if result else None
+        assert got == tokens, got
+    finally:
+        prom.terminate()
+        prom.wait(timeout=30)
+
+
+def test_shardlm_top_shows_the_same_numbers(served):
+    s, tokens = served
+    res = subprocess.run([sys.executable, "-m", "shardlm", "top", s.url, "--count", "1"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert res.returncode == 0, res.stderr
+    assert f"generated {tokens} tokens" in res.stdout, res.stdout
+    assert "memory per rank" in res.stdout and "traffic per link" in res.stdout and "time to first token" in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "shardlm", "top", f"http://127.0.0.1:{free_port()}", "--count", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is `shardlm serve` running there?" in bad.stderr, bad.stderr
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_dashboard_in_headless_chromium_equals_metrics_and_updates(served, tmp_path):
+    browser_path = _chromium()
+    if browser_path is None:
+        pytest.skip("chromium is not installed (scripts/setup.sh installs the Debian package chromium)")
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra: run scripts/setup.sh")
+    s, tokens = served
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+            page.goto(s.url + "/dashboard", timeout=60_000)
+            page.wait_for_function(f"document.getElementById('generated').textContent === '{tokens}'", timeout=30_000)
+            m = _samples(httpx.get(s.url + "/metrics", timeout=60).text)
+            link = sum(x.value for x in m["shardlm_link_bytes_total"] if (x.labels["src"], x.labels["dst"]) == ("0", "1"))
+            shown = page.locator("[data-link='0,1']").inner_text()
+            assert abs(float(shown) - link / 2**20) < 0.06, (shown, link)  # every op over the link, in MiB
+            ttft = page.locator("[data-count='shardlm_time_to_first_token_seconds']").inner_text()
+            assert float(ttft) == _value(m, "shardlm_time_to_first_token_seconds_count", model_name=NAME)
+            res = s.post("/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+            assert res.status_code == 200
+            page.wait_for_function(f"document.getElementById('generated').textContent === '{tokens + 4}'",
+                                   timeout=30_000)  # it updates by itself
+            assert page.locator("#error").inner_text() == ""
+            shot = ARTIFACTS / "dashboard.png"
+            shot.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 10_000
+        finally:
+            browser.close()
