@@ -184,6 +184,8 @@ def vllm_system(venv: Path, model: Path, tp: int) -> tuple:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+        state["log"].close()
+        os.unlink(state["log"].name)
 
     return start, stop
 

@@ -39,6 +39,7 @@ class Server:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="shardlm-serve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
+        self._log_text: str | None = None
 
     def start(self) -> "Server":
         """Start the process (returns at once; `wait_ready` waits for /health)."""
@@ -71,19 +72,35 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.returncode = self.proc.wait(timeout=30)
-            raise AssertionError(f"shardlm serve ignored SIGTERM for {timeout:.0f} s:\n{self.tail()}")
+            raise AssertionError(f"shardlm serve ignored SIGTERM for {timeout:.0f} s:\n{self.tail(20000)}")
         finally:
             self._reap_group()
+            self._drop_log()
         return self.returncode
 
-    def _reap_group(self) -> None:
-        try:  # ranks left behind would hold ports and memory for the rest of the suite
-            os.killpg(self.proc.pid, signal.SIGKILL)
+    def _reap_group(self, grace_s: float = 5.0) -> None:
+        """SIGKILL what is left of the server's process group, after `grace_s` seconds in which it may end by
+        itself (multiprocessing's resource tracker unlinks the queues' semaphores as it exits)."""
+        deadline = time.monotonic() + grace_s
+        try:
+            while time.monotonic() < deadline:
+                os.killpg(self.proc.pid, 0)  # raises once no process of the group is left
+                time.sleep(0.05)
+            os.killpg(self.proc.pid, signal.SIGKILL)  # ranks left behind would hold ports and memory
         except ProcessLookupError:
             pass
 
+    def _drop_log(self) -> None:
+        """Keep the log's text for `tail` and remove its file."""
+        if self._log_text is None:
+            self._log_text = self.tail(20000)
+            self.log.close()
+            os.unlink(self.log.name)
+
     def tail(self, chars: int = 4000) -> str:
         """The end of the server's log."""
+        if self._log_text is not None:
+            return self._log_text[-chars:]
         self.log.flush()
         with open(self.log.name) as f:
             return f.read()[-chars:]
@@ -121,7 +138,6 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        os.unlink(self.log.name)
 
 
 def sse_events(lines) -> list[dict | str]:

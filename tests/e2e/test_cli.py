@@ -145,11 +145,26 @@ def _rank_pids(proc: subprocess.Popen, n: int, timeout: float = 90) -> list[int]
     raise AssertionError(f"ranks did not start within {timeout} s")
 
 
+_LONG_RUNS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_long_runs():
+    """A long run a failed test left behind is killed (with its ranks), so it does not slow the tests after."""
+    yield
+    while _LONG_RUNS:
+        proc = _LONG_RUNS.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+
+
 def _start_long_run(*layout: str) -> subprocess.Popen:
     """A long generate with `layout` flags (e.g. "--tp", "2"), once it streams its first character."""
     proc = subprocess.Popen(SHARDLM + ["generate", "Tell me a very long story.", *layout,
                                        "--max-new-tokens", "4000", "--ignore-eos"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _LONG_RUNS.append(proc)
     proc.stdout.read(1)  # the first streamed character: every rank is loaded and generating
     return proc
 

@@ -99,7 +99,12 @@ class TokenEvent:
 
 class StopText:
     """Incremental text of a request's tokens with stop strings applied: text is released only once it
-    cannot be the beginning of a stop string, and a matched stop string ends the text before it."""
+    cannot be the beginning of a stop string, and a matched stop string ends the text before it.
+
+    Each token decodes a short window, not the whole output (which would cost O(n^2) over a request):
+    the tokens from `prefix` on, whose first part (up to `read`) was decoded before and gives the text
+    the window's tail adds. The window keeps a few tokens of context, so tokenizers whose pieces depend
+    on their neighbours (leading spaces) decode as the whole sequence would."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
@@ -107,16 +112,20 @@ class StopText:
         self.text = ""
         self.released = 0
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.prefix = self.read = 0
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add one token: (newly released text, True when a stop string was reached)."""
         self.ids.append(token_id)
         if self.tokenizer is None:  # a weights-only folder: token ids, no text (stops are refused at submit)
             return "", False
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for the next token
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        window = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if window.endswith("\ufffd") or len(window) <= len(before):  # an unfinished character, or no text yet
             return "", False
-        self.text = text
+        self.text += window[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        text = self.text
         for s in self.stops:
             at = text.find(s, max(0, self.released - len(s)))
             if at >= 0:

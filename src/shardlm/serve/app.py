@@ -57,7 +57,7 @@ class Service:
 
         self.registry = CollectorRegistry()
         self.engine.scheduler.observer = RequestMetrics(self.registry, self.model_name)
-        self.poller = RankPoller(self.engine, self.metrics_interval_s or 1e9)
+        self.poller = RankPoller(self.engine, self.metrics_interval_s)  # started only when the interval is > 0
         self.registry.register(EngineCollector(self.engine, self.poller, self.model_name))
 
     def metrics_text(self) -> bytes:
