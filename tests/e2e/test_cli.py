@@ -159,11 +159,18 @@ def _stop_long_runs():
             proc.communicate(timeout=30)
 
 
+def _default_sigint() -> None:
+    """Give the run a terminal's Ctrl-C even when these tests run as a background job (`pytest &` in a script
+    starts with SIGINT ignored, which its children inherit)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_long_run(*layout: str) -> subprocess.Popen:
     """A long generate with `layout` flags (e.g. "--tp", "2"), once it streams its first character."""
     proc = subprocess.Popen(SHARDLM + ["generate", "Tell me a very long story.", *layout,
                                        "--max-new-tokens", "4000", "--ignore-eos"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_default_sigint)
     _LONG_RUNS.append(proc)
     proc.stdout.read(1)  # the first streamed character: every rank is loaded and generating
     return proc

@@ -154,3 +154,67 @@ def test_dashboard_in_headless_chromium_equals_metrics_and_updates(served, tmp_p
             assert shot.stat().st_size > 10_000
         finally:
             browser.close()
+
+
+def test_an_unbalanced_plan_is_refused_then_served_with_its_slow_stage_flagged(bundled_dir):
+    """25 of 30 layers on stage 0: `serve` refuses the plan before loading anything; with --allow-imbalance it
+    serves, and /metrics, `shardlm top` and the dashboard flag stage 0 from measured step times."""
+    layout = ["--pp", "2", "--layers", "25,5", "--max-batch", "2", "--max-seq-len", "128"]
+    res = subprocess.run([sys.executable, "-m", "shardlm", "serve", *layout, "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "out of balance" in res.stderr and "--allow-imbalance" in res.stderr and "Traceback" not in res.stderr
+    with Server(*layout, "--allow-imbalance", "--metrics-interval-s", "1") as s:
+        for prompt in ("The capital of France is", "Water boils at"):
+            res = s.post("/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 16, "ignore_eos": True})
+            assert res.status_code == 200, res.text
+        time.sleep(2.5)  # at least one rank poll after the requests
+        text = httpx.get(s.url + "/metrics", timeout=60).text
+        m = _samples(text)
+        assert _value(m, "shardlm_stage_out_of_balance", stage="0") == 1
+        assert _value(m, "shardlm_stage_out_of_balance", stage="1") == 0
+        busy = [_value(m, "shardlm_stage_busy_seconds", stage=st) for st in ("0", "1")]
+        ratio = _value(m, "shardlm_stage_imbalance_ratio")
+        assert ratio == pytest.approx(max(busy) / (sum(busy) / 2) - 1) and ratio > _value(m, "shardlm_stage_imbalance_limit")
+        if shutil.which("promtool"):
+            check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
+                                   timeout=60)
+            assert check.returncode == 0, check.stdout + check.stderr
+        top = subprocess.run([sys.executable, "-m", "shardlm", "top", s.url, "--count", "1"], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+        assert top.returncode == 0 and "out of balance" in top.stdout, top.stdout + top.stderr
+        _dashboard_flags_stage(s.url, "0")
+
+
+def _dashboard_flags_stage(url: str, stage: str) -> None:
+    """The dashboard, in headless Chromium, flags `stage` (skipped without chromium or playwright)."""
+    browser_path = _chromium()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+    if browser_path is None or sync_playwright is None:
+        return
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(url + "/dashboard", timeout=60_000)
+            page.wait_for_selector(f"[data-flag='{stage}']", timeout=30_000)
+            assert page.locator("[data-flag]").count() == 1
+        finally:
+            browser.close()
+
+
+def test_a_server_that_streams_layers_reports_its_prefetch_hit_rate(bundled_dir, tmp_path):
+    with Server("--memory-budget", "250MB", "--offload-dir", str(tmp_path), "--max-batch", "2", "--max-seq-len", "128",
+                "--metrics-interval-s", "1") as s:
+        res = s.post("/v1/completions", {"model": NAME, "prompt": "Water boils at", "max_tokens": 8, "ignore_eos": True})
+        assert res.status_code == 200, res.text
+        time.sleep(2.5)  # at least one rank poll after the request
+        m = _samples(httpx.get(s.url + "/metrics", timeout=60).text)
+    hits, waits = (_value(m, f"shardlm_offload_prefetch_{k}_total", rank="0") for k in ("hits", "waits"))
+    assert hits + waits >= 8, (hits, waits)  # every step needs each streamed layer once
+    assert _value(m, "shardlm_offload_prefetch_hit_ratio", rank="0") == pytest.approx(hits / (hits + waits))
+    assert _value(m, "shardlm_offload_read_bytes_total", rank="0") > 0
+    assert _value(m, "shardlm_rank_memory_bytes", rank="0", kind="streamed") > 0

@@ -39,6 +39,8 @@ def serve(
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", parser=o.MAX_SEQ_LEN, help="Prompt + generated tokens per sequence (default min(model, 2048))."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", parser=o.PREFILL_CHUNK, help="Prompt tokens prefilled per step beside running decodes (default 256)."),
     drain_s: float = typer.Option(30.0, "--drain-s", parser=o.DRAIN_S, help="On SIGTERM, how long requests in flight may take to finish."),
+    allow_imbalance: bool = typer.Option(False, "--allow-imbalance", help="Serve a plan whose predicted stage times are out of balance (more than the plan's limit apart)."),
+    no_metrics: bool = typer.Option(False, "--no-metrics", help="No request metrics or rank polling (/metrics answers 404); for measuring what monitoring costs."),
     metrics_interval_s: float = typer.Option(5.0, "--metrics-interval-s", parser=o.METRICS_INTERVAL_S, help="How often /metrics gathers the ranks' memory, traffic and step times (0: never)."),
 ) -> None:
     """Serve the model over HTTP (OpenAI API) until SIGTERM or Ctrl-C; exits 0 after draining."""
@@ -61,6 +63,7 @@ def serve(
         given = lay.given | ({"max_seq_len"} if max_seq_len is not None else set())
         plan, source = plan_run(model, lay.flags, _kv(max_batch, max_seq_len, prefill_chunk), given, lay.verify,
                                 lay.manifest)
+        check_serveable(plan, allow_imbalance)
     except UserError as e:
         sock.close()
         fail(str(e))
@@ -69,7 +72,19 @@ def serve(
     name = served_model_name or _model_name(source.folder)
     err.print(f"serving {name} on http://{host}:{port} (tp={plan.layout.tp} pp={plan.layout.pp}, "
               f"{plan.kv.max_batch} slots x {plan.kv.max_seq_len} tokens); loading...", highlight=False)
-    raise typer.Exit(run(Service(engine, name, api_key, metrics_interval_s=metrics_interval_s), sock, drain_s))
+    raise typer.Exit(run(Service(engine, name, api_key, metrics_interval_s=metrics_interval_s, metrics=not no_metrics), sock, drain_s))
+
+
+def check_serveable(plan, allow_imbalance: bool) -> None:
+    """UserError for a plan over its memory budget, or out of balance unless `allow_imbalance`: a service
+    is checked before it starts, not found slow later."""
+    from shardlm.plan.validate import balance_violations, memory_violations
+
+    problems = memory_violations(plan) + ([] if allow_imbalance else
+                                          [p + "; or serve it anyway with --allow-imbalance"
+                                           for p in balance_violations(plan)])
+    if problems:
+        raise UserError(f"the plan cannot be served as it is: {problems[0]}")
 
 
 def _address(host: str | None, port: int | None, lay: L.Layout) -> tuple[str, int]:

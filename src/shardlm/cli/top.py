@@ -93,9 +93,12 @@ def _links(snap) -> Table:
 
 
 def _stages(snap) -> Table:
-    t = Table(title="step time per stage, ms (measured mean / predicted decode step)", title_justify="left")
-    for col in ("stage", "measured", "predicted"):
+    t = Table(title="step time per stage, ms (measured mean, busy part / predicted decode step)",
+              title_justify="left")
+    for col in ("stage", "step", "busy", "predicted", "balance"):
         t.add_column(col, justify="right")
     for stage, (got, want) in snap.stage_seconds.items():
-        t.add_row(str(stage), f"{got * 1000:.1f}", f"{want * 1000:.1f}" if want else "-")
+        busy, slow = snap.stage_busy.get(stage, (None, False))
+        t.add_row(str(stage), f"{got * 1000:.1f}", f"{busy * 1000:.1f}" if busy is not None else "-",
+                  f"{want * 1000:.1f}" if want else "-", "[red]out of balance[/]" if slow else "ok")
     return t

@@ -195,12 +195,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                cache: Cache | None = None, last_only: bool = False) -> torch.Tensor:
+                cache: Cache | None = None, last_only: bool = False,
+                last_index: torch.Tensor | None = None) -> torch.Tensor:
         """Run the layers this model (or pipeline stage) holds.
 
         inputs: token ids (b, s) when it holds the embedding, else hidden states (b, s, dim) from the
         previous stage; positions (b, s); mask (b, 1, s, t) bool. Returns logits (b, s or 1, vocab)
-        float32 when it holds the LM head, else hidden states (b, s, dim) for the next stage.
+        float32 when it holds the LM head, else hidden states (b, s, dim) for the next stage. With
+        `last_only`, logits of one position per row: the last, or `last_index` (b,) for right-padded rows.
         """
         x = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs  # (b, s, dim)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
@@ -208,7 +210,9 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, mask, cache)
         if self.lm_head is None:
             return x
-        if last_only:
+        if last_only and last_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last_index][:, None]  # (b, 1, dim)
+        elif last_only:
             x = x[:, -1:]  # (b, 1, dim)
         x = self.model.norm(x)
         return self.lm_head(x).float()

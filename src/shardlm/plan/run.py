@@ -3,7 +3,9 @@
 Flags build a Plan through the planner's own builder with every layout field fixed (`search.
 fixed_candidate`): the same memory model, predictions and balance check as `shardlm plan`, applied
 to the layout the user asked for. Fields the user leaves out take the runtime's defaults: tp 1, pp 1,
-stages split evenly, one micro-batch per stage, float32, no quantization. `--memory-budget` decides
+one micro-batch per stage, float32, no quantization, and stage ranges balanced by the planner's own
+layer assignment (predicted stage time; the stages holding the embedding and the LM head get fewer
+layers), falling back to an even split when the memory caps leave no balanced assignment. `--memory-budget` decides
 here, once, which layers of each stage stream in (`plan.streaming`), so every rank receives its own
 offloaded layers in its RankSpec instead of working them out itself.
 """
@@ -141,13 +143,15 @@ def plan_for_run(ref: ModelRef, family: Family, args: ModelArgs, flags: RunFlags
     check_flags(flags, args)
     tp, pp = flags.tp_degree, flags.pp_degree
     check_micro_batches(flags.micro_batches, pp, kv.max_batch)
-    counts = flags.layers or tuple(split_sizes(args.n_layers, pp))
     try:
         cluster = hardware.local_cluster(flags.device, tp * pp, calibration)
     except hardware.HardwareError as e:
         raise PlanError(str(e)) from e
     req = Request(ref, args, family.tp_plan, cluster, cluster.description if flags.device == "cpu" else "local",
-                  flags.dtype, flags.quantization, "latency", kv, tp, pp, counts, micro_batches=flags.micro_batches or 0)
+                  flags.dtype, flags.quantization, "latency", kv, tp, pp, flags.layers,
+                  micro_batches=flags.micro_batches or 0)
+    counts = flags.layers or balanced_counts(req) or tuple(split_sizes(args.n_layers, pp))
+    req = replace(req, layers=counts)
     stages = stages_from_counts(counts)
     cand = fixed_candidate(req, budget_offload(flags, family, args, stages))
     if cand is None:  # local_cluster gives exactly tp x pp slots
@@ -155,6 +159,15 @@ def plan_for_run(ref: ModelRef, family: Family, args: ModelArgs, flags: RunFlags
     plan = replace(cand.plan, device=flags.device)
     check_fits(plan)
     return plan
+
+
+def balanced_counts(req: Request) -> tuple[int, ...] | None:
+    """Layers per stage that balance the predicted stage times of `req`'s layout (the planner's assignment),
+    or None when one stage or the memory caps leave nothing to choose."""
+    if req.pp == 1:
+        return None
+    cand = fixed_candidate(replace(req, layers=None))
+    return None if cand is None else tuple(b - a for a, b in cand.plan.layout.stage_layers)
 
 
 def check_local_fit(plan: Plan, ref: ModelRef, family: Family, args: ModelArgs, kv: KVBudget,

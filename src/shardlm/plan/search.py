@@ -216,14 +216,15 @@ def _try(req, groups, tp, pp, dp, quant, devs) -> Candidate:
 
 
 def fixed_candidate(req: Request, offload: Offload = Offload()) -> Candidate | None:
-    """The one single-replica layout `req` pins (tp, pp, layers per stage and quantization all given),
-    predicted and checked like any candidate; None when the cluster has too few devices for it."""
+    """The one single-replica layout `req` pins (tp, pp and quantization given; layers per stage given, or
+    balanced when None), predicted and checked like any candidate; None when the cluster has too few devices
+    for it, or no layer assignment fits the devices' memory."""
     devs = {d.address: d for d in req.cluster.devices}
     groups = sorted(tp_groups(req.cluster, req.tp), key=lambda g: (g.node, -devs[g.addresses[0]].spec.memory_bytes))
     if len(groups) < req.pp:
         return None
     layout, _ = _layout(req, groups, req.tp, req.pp, 1, req.quantization, devs)
-    return _evaluate(req, layout, req.quantization, offload)
+    return None if layout is None else _evaluate(req, layout, req.quantization, offload)
 
 
 def rank_key(c: Candidate, objective: str) -> tuple:

@@ -12,6 +12,11 @@ GiB = 2**30
 
 def violations(plan: Plan) -> list[str]:
     """Every budget or balance problem of a predicted plan, each with its numbers and the fix."""
+    return memory_violations(plan) + balance_violations(plan)
+
+
+def memory_violations(plan: Plan) -> list[str]:
+    """Ranks predicted to need more than their device may give, each with its numbers and the fix."""
     pred = plan.predictions
     out = []
     for r in pred.memory:
@@ -21,7 +26,12 @@ def violations(plan: Plan) -> list[str]:
                        f"{r.kv_cache / GiB:.2f}, activations {r.activations / GiB:.2f}, overhead "
                        f"{r.overhead / GiB:.2f}); move layers off its stage, raise tp, lower kv_cache.max_batch "
                        "or max_seq_len, or quantize")
-    perf = pred.performance
+    return out
+
+
+def balance_violations(plan: Plan) -> list[str]:
+    """The stage-time imbalance over IMBALANCE_LIMIT, with the times and the fix; [] when balanced."""
+    perf, out = plan.predictions.performance, []
     if len(perf.stage_times_s) > 1 and perf.imbalance > IMBALANCE_LIMIT:
         times = ", ".join(f"{t * 1e3:.2f}" for t in perf.stage_times_s)
         slow = max(range(len(perf.stage_times_s)), key=lambda s: perf.stage_times_s[s])

@@ -1,8 +1,8 @@
 """Run one engine step on a rank: prefill chunks and decode tokens in KV-cache slots, sample, report.
 
-Every rank of the plan runs the same Step (the driver hands it to each). Work items run in order: each
-prefill chunk alone (one slot), then the decode rows as micro-batches (one group without pipeline
-stages). With stages, stage 0 embeds an item, runs its layers and sends the hidden states on without
+Every rank of the plan runs the same Step (the driver hands it to each). Work items run in order: the
+prefill chunks, several slots per forward pass (right-padded to one width, see `prefill_groups`), then
+the decode rows as micro-batches (one group without pipeline stages). With stages, stage 0 embeds an item, runs its layers and sends the hidden states on without
 waiting, so the stages work on different items at the same time; the last stage samples. Rows sample
 with their own request's settings and random stream (seeded when the request took its slot), so a
 request's tokens do not depend on the rows beside it.
@@ -22,6 +22,9 @@ from shardlm.runtime.slots import SlotCache, SlotRun
 from shardlm.runtime.step import pick
 from shardlm.runtime.work import Decode, Prefill, Sampled, Step, StepResult
 
+
+PAD_WASTE = 1.5
+"""Prefill chunks share a forward pass while their padded tokens are at most this many times the real ones."""
 
 STEP_BOUNDS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                1.0, 2.5, 5.0, 10.0)
@@ -61,8 +64,10 @@ class _Item:
     """(b, 1, s, t) bool."""
     run: SlotRun
     work: list
-    """The Prefill (one) or Decode records (one per row)."""
+    """The Prefill or Decode records, one per row."""
     full_logits: bool
+    last: torch.Tensor | None = None
+    """(b,) each row's last real token, for right-padded prefill rows (None: the last position)."""
 
 
 def decode_mask(positions: list[int], window: int | None) -> torch.Tensor:
@@ -75,14 +80,31 @@ def decode_mask(positions: list[int], window: int | None) -> torch.Tensor:
     return allowed[:, None, None, :]  # (b, 1, 1, t)
 
 
-def prefill_mask(start: int, length: int, window: int | None) -> torch.Tensor:
-    """(1, 1, s, start + s): a chunk's queries at [start, start + s) see every earlier key (causal)."""
-    q = torch.arange(start, start + length)[:, None]  # (s, 1)
-    k = torch.arange(start + length)[None, :]  # (1, t)
-    allowed = k <= q
+def prefill_mask(starts: list[int], width: int, window: int | None) -> torch.Tensor:
+    """(b, 1, s, t) for chunks of s = `width` tokens, row j's queries at [starts[j], starts[j] + s): each sees
+    every earlier key of its own slot (causal); t = max(starts) + s."""
+    q = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # (b, s) query positions
+    k = torch.arange(max(starts) + width)  # (t,)
+    allowed = k[None, None, :] <= q[:, :, None]  # (b, s, t)
     if window is not None:
-        allowed &= k > q - window
-    return allowed[None, None]  # (1, 1, s, t)
+        allowed &= k[None, None, :] > q[:, :, None] - window
+    return allowed[:, None]  # (b, 1, s, t)
+
+
+def prefill_groups(prefills, max_len: int) -> list[list[Prefill]]:
+    """The prefill chunks of a step as forward passes: a chunk that wants its prompt logprobs runs alone; the
+    others, shortest first, share a pass while the padded tokens stay within PAD_WASTE x the real ones and
+    every row's padded end fits its slot (`max_len`)."""
+    groups = [[p] for p in prefills if p.prompt_logprobs]
+    group: list[Prefill] = []
+    for p in sorted((p for p in prefills if not p.prompt_logprobs), key=lambda p: len(p.tokens)):
+        width, trial = len(p.tokens), group + [p]
+        real = sum(len(q.tokens) for q in trial)
+        if group and (width * len(trial) > PAD_WASTE * real or max(q.start for q in trial) + width > max_len):
+            groups.append(group)
+            trial = [p]
+        group = trial
+    return groups + ([group] if group else [])
 
 
 class SlotRunner:
@@ -124,12 +146,7 @@ class SlotRunner:
         return StepResult(step.id, out, seconds) if self.reports else None
 
     def _items(self, step: Step) -> list[_Item]:
-        items = []
-        for p in step.prefills:
-            n = len(p.tokens)
-            positions = torch.arange(p.start, p.start + n)[None]  # (1, s)
-            items.append(_Item(torch.tensor([p.tokens]), positions, prefill_mask(p.start, n, self.window),
-                               self.cache.prefill(p.slot, p.start, n), [p], p.prompt_logprobs))
+        items = [self._prefill_item(group) for group in prefill_groups(step.prefills, self.cache.max_len)]
         decodes = list(step.decodes)
         groups = min(len(decodes), self.micro_batches or self.rank.spec.pp)
         for a, b in (micro_batch_rows(len(decodes), groups) if decodes else []):
@@ -140,6 +157,20 @@ class SlotRunner:
                                False))
         return items
 
+    def _prefill_item(self, group: list[Prefill]) -> _Item:
+        """One forward pass for prefill chunks of one or more slots (right-padded to the longest)."""
+        width = max(len(p.tokens) for p in group)
+        starts = [p.start for p in group]
+        tokens = torch.tensor([list(p.tokens) + [0] * (width - len(p.tokens)) for p in group])  # (b, s)
+        positions = torch.tensor(starts)[:, None] + torch.arange(width)[None, :]  # (b, s)
+        if len(group) == 1:
+            run = self.cache.prefill(group[0].slot, starts[0], width)
+        else:
+            run = self.cache.prefill_rows([p.slot for p in group], starts, width)
+        last = torch.tensor([len(p.tokens) - 1 for p in group])  # (b,)
+        return _Item(tokens, positions, prefill_mask(starts, width, self.window), run, group,
+                     group[0].prompt_logprobs, None if len(group) == 1 else last)
+
     def _forward(self, item: _Item) -> torch.Tensor | None:
         """This stage's part of one item: logits (b, s or 1, vocab) on the last stage, else None."""
         ctx, dev, model = self.ctx, self.rank.device, self.rank.module
@@ -148,11 +179,11 @@ class SlotRunner:
             x = item.tokens
         else:
             x = ctx.recv((b, s, self.rank.args.dim), self.rank.dtype, ctx.pipe.prev)  # (b, s, dim)
+        positions, mask, last = item.positions, item.mask, item.last
         if dev.type != "cpu":
-            x, positions, mask = (t.to(dev, non_blocking=True) for t in (x, item.positions, item.mask))
-        else:
-            positions, mask = item.positions, item.mask
-        out = model(x, positions, mask, item.run, last_only=not item.full_logits)
+            x, positions, mask = (t.to(dev, non_blocking=True) for t in (x, positions, mask))
+            last = last.to(dev, non_blocking=True) if last is not None else None
+        out = model(x, positions, mask, item.run, last_only=not item.full_logits, last_index=last)
         if not self.last:
             ctx.send(out, ctx.pipe.next)
             return None

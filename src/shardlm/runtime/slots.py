@@ -7,6 +7,9 @@ attention never depends on which other requests share the step.
 
 A `SlotRun` is the cache as one forward pass sees it (the model's Cache protocol):
 - a prefill chunk: one slot, tokens at [start, start + s); keys come back as a view of the slot;
+- prefill chunks of several slots in one pass, right-padded to one width s: row j writes [start_j,
+  start_j + s) of its own slot. The padding lands past the row's last real token, where the row's next
+  token overwrites it before any query can see it (a query at p attends to keys <= p only);
 - a decode step: several slots, one new token each at its own position; the fused CPU kernel reads
   and writes the slots in place (`fused_target`), the module path gathers the rows it attends over.
 """
@@ -33,6 +36,10 @@ class SlotCache:
     def prefill(self, slot: int, start: int, length: int) -> "SlotRun":
         """The cache for a chunk of `length` tokens of `slot` at positions [start, start + length)."""
         return SlotRun(self, [slot], [start], length)
+
+    def prefill_rows(self, slots: list[int], starts: list[int], width: int) -> "SlotRun":
+        """The cache for chunks of several slots right-padded to `width` tokens: row j at [starts[j], +width)."""
+        return SlotRun(self, slots, starts, width)
 
     def decode(self, slots: list[int], positions: list[int]) -> "SlotRun":
         """The cache for one new token in each of `slots`, at `positions`."""
@@ -63,8 +70,13 @@ class SlotRun:
             kc[self.slot0, :, a:b] = k[0]
             vc[self.slot0, :, a:b] = v[0]
             return kc[self.slot0:self.slot0 + 1, :, :b], vc[self.slot0:self.slot0 + 1, :, :b]
-        kc[self.rows, :, self.positions] = k[:, :, 0]  # (b, h, hd) at each row's own position
-        vc[self.rows, :, self.positions] = v[:, :, 0]
+        if k.shape[2] == 1:
+            kc[self.rows, :, self.positions] = k[:, :, 0]  # (b, h, hd) at each row's own position
+            vc[self.rows, :, self.positions] = v[:, :, 0]
+        else:
+            at = self.positions[:, None] + torch.arange(k.shape[2], device=k.device)  # (b, s) each row's positions
+            kc[self.rows[:, None], :, at] = k.transpose(1, 2)  # (b, s, h, hd)
+            vc[self.rows[:, None], :, at] = v.transpose(1, 2)
         t = self.offset + 1
         return kc[self.rows, :, :t], vc[self.rows, :, :t]  # (b, h, t, hd)
 

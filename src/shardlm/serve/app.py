@@ -46,11 +46,15 @@ class Service:
     ready: threading.Event = field(default_factory=threading.Event)
     metrics_interval_s: float = 5.0
     """How often the ranks' counters are gathered for /metrics (0: never; /metrics then has requests only)."""
+    metrics: bool = True
+    """False (--no-metrics): no request metrics, no rank polling, /metrics answers 404."""
     registry: object = None
     poller: object = None
 
     def start_metrics(self) -> None:
-        """Register the request metrics with the engine and start polling the ranks."""
+        """Register the request metrics with the engine and start polling the ranks (unless metrics are off)."""
+        if not self.metrics:
+            return
         from prometheus_client import CollectorRegistry
 
         from shardlm.serve.metrics import EngineCollector, RankPoller, RequestMetrics
@@ -154,6 +158,8 @@ def _monitoring_routes(app: FastAPI, service: Service) -> None:
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if not service.metrics:
+            raise ApiError(404, "this server runs with --no-metrics; restart it without that flag for /metrics")
         loop = asyncio.get_running_loop()  # a first poll waits for a step boundary: not on the event loop
         return Response(await loop.run_in_executor(None, service.metrics_text), media_type=CONTENT_TYPE_LATEST)
 

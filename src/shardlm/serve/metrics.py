@@ -8,7 +8,8 @@ Three sources, none of which stalls decode:
   KV-cache usage;
 - the ranks' counters, gathered by `RankPoller` every few seconds between two steps (one message per
   rank): memory by kind beside the plan's prediction and the device's capacity, traffic per link, step
-  time per stage (a histogram each rank keeps, with the plan's predicted stage time beside it).
+  time per stage (a histogram each rank keeps, with the plan's predicted stage time beside it), measured
+  balance against the plan's limit, and the prefetch hit rate of ranks that stream offloaded layers.
 
 Names are `shardlm_*` with underscores only, so `promtool check metrics` passes (vLLM's `vllm:` names
 do not). Traffic per link (src -> dst): a collective among a tensor-parallel group is counted on each
@@ -143,7 +144,30 @@ def _rank_labels(spec) -> list[str]:
 
 def rank_families(stats: list[dict], specs: list, plan) -> list:
     """Metric families of one rank poll: memory by kind, traffic per link, step time per stage."""
-    return [*_memory(stats, specs, plan), *_links(stats, specs), *_steps(stats, specs, plan)]
+    return [*_memory(stats, specs, plan), *_links(stats, specs), *_steps(stats, specs, plan), *_offload(stats, specs)]
+
+
+def _offload(stats: list[dict], specs: list) -> list:
+    """Weight streaming of ranks that offload layers: bytes read, prefetches ready in time or waited for."""
+    labels = ["rank", "stage", "tp_rank", "device"]
+    fams = {k: CounterMetricFamily(f"shardlm_offload_{k}", doc, labels=labels) for k, doc in (
+        ("read_bytes", "Bytes of offloaded layers read back (disk or host memory)."),
+        ("prefetch_hits", "Offloaded layers whose prefetch had finished when the layer ran."),
+        ("prefetch_waits", "Offloaded layers the compute had to wait for."),
+        ("prefetch_wait_seconds", "Seconds the compute waited for offloaded layers."))}
+    ratio = GaugeMetricFamily("shardlm_offload_prefetch_hit_ratio", "Prefetch hits / layers needed so far.",
+                              labels=labels)
+    for s, spec in zip(stats, specs):
+        st = s.get("streaming")
+        if not st:
+            continue
+        lab = _rank_labels(spec)
+        for key, stat in (("read_bytes", "bytes_read"), ("prefetch_hits", "prefetch_hits"),
+                          ("prefetch_waits", "prefetch_waits"), ("prefetch_wait_seconds", "wait_s")):
+            fams[key].add_metric(lab, st[stat])
+        if st.get("hit_rate") is not None:
+            ratio.add_metric(lab, st["hit_rate"])
+    return [*fams.values(), ratio]
 
 
 def _memory(stats: list[dict], specs: list, plan) -> list:
@@ -216,6 +240,7 @@ def _steps(stats: list[dict], specs: list, plan) -> list:
     pred = GaugeMetricFamily("shardlm_stage_step_seconds_predicted", "The plan's predicted time of one decode "
                              "step on each stage.", labels=["stage"])
     times = plan.predictions.performance.stage_times_s if plan.predictions else ()
+    busy = {}
     for s, spec in zip(stats, specs):
         h = s.get("steps")
         if spec.tp_rank != 0 or not h:
@@ -227,7 +252,40 @@ def _steps(stats: list[dict], specs: list, plan) -> list:
             buckets.append((str(bound), cum))
         buckets.append(("+Inf", h["count"]))
         hist.add_metric([stage], buckets, h["sum"])
-        wait.add_metric([stage], sum(c["seconds"] for c in (s.get("comms") or {}).values()))
+        waited = sum(c["seconds"] for c in (s.get("comms") or {}).values())
+        wait.add_metric([stage], waited)
         if spec.stage < len(times):
             pred.add_metric([stage], times[spec.stage])
-    return [hist, wait, pred]
+        if h["count"]:
+            busy[spec.stage] = max(h["sum"] - waited, 0.0) / h["count"]
+    return [hist, wait, pred, *_balance(busy)]
+
+
+def stage_imbalance(busy: dict[int, float]) -> float:
+    """The plan's measure of imbalance on measured times: slowest stage / mean stage - 1 (0 for one stage)."""
+    if len(busy) < 2 or not any(busy.values()):
+        return 0.0
+    return max(busy.values()) / (sum(busy.values()) / len(busy)) - 1
+
+
+def _balance(busy: dict[int, float]) -> list:
+    """Measured busy time per stage, the imbalance with the plan's limit, and each stage's out-of-balance flag
+    (its busy time / the stages' mean - 1 over the limit), with more than one stage."""
+    from shardlm.plan.plan import IMBALANCE_LIMIT
+
+    if len(busy) < 2:
+        return []
+    per = GaugeMetricFamily("shardlm_stage_busy_seconds", "Mean seconds per engine step a stage computes (its step "
+                            "time less its waits), the measured counterpart of the predicted stage time.",
+                            labels=["stage"])
+    flag = GaugeMetricFamily("shardlm_stage_out_of_balance", "1 when a stage's busy time exceeds the stages' mean by "
+                             "more than the plan's limit (shardlm_stage_imbalance_limit).", labels=["stage"])
+    mean = sum(busy.values()) / len(busy)
+    for stage, seconds in sorted(busy.items()):
+        per.add_metric([str(stage)], seconds)
+        flag.add_metric([str(stage)], float(mean > 0 and seconds / mean - 1 > IMBALANCE_LIMIT))
+    ratio = GaugeMetricFamily("shardlm_stage_imbalance_ratio", "Measured: slowest stage's busy time / the mean - 1.")
+    ratio.add_metric([], stage_imbalance(busy))
+    limit = GaugeMetricFamily("shardlm_stage_imbalance_limit", "The plan's largest allowed imbalance.")
+    limit.add_metric([], IMBALANCE_LIMIT)
+    return [per, flag, ratio, limit]

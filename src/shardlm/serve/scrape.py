@@ -43,6 +43,8 @@ class Snapshot:
     """metric (ttft, itl, e2e, queue) -> {"p50", "p90", "p99", "count", "mean"} (from the histograms)."""
     stage_seconds: dict[int, tuple[float, float]]
     """stage -> (mean measured step seconds, predicted)."""
+    stage_busy: dict[int, tuple[float, bool]]
+    """stage -> (mean busy seconds per step, out of balance), with more than one stage."""
 
 
 HISTOGRAMS = {"ttft": "shardlm_time_to_first_token_seconds", "itl": "shardlm_inter_token_latency_seconds",
@@ -59,7 +61,8 @@ def parse(text: str) -> Snapshot:
                     _one(samples, "shardlm_requests_waiting"), _one(samples, "shardlm_kv_cache_usage_ratio"),
                     _one(samples, "shardlm_generation_tokens_total"),
                     {s.labels["finished_reason"]: s.value for s in samples.get("shardlm_request_finished_total", [])},
-                    {k: histogram_summary(samples, name) for k, name in HISTOGRAMS.items()}, _stages(samples))
+                    {k: histogram_summary(samples, name) for k, name in HISTOGRAMS.items()}, _stages(samples),
+                    _busy(samples))
 
 
 def _one(samples: dict, name: str) -> float:
@@ -98,6 +101,12 @@ def _stages(samples: dict) -> dict[int, tuple[float, float]]:
     counts = {int(s.labels["stage"]): s.value for s in samples.get("shardlm_stage_step_seconds_count", [])}
     pred = {int(s.labels["stage"]): s.value for s in samples.get("shardlm_stage_step_seconds_predicted", [])}
     return {st: (sums[st] / counts[st] if counts.get(st) else 0.0, pred.get(st, 0.0)) for st in sorted(sums)}
+
+
+def _busy(samples: dict) -> dict[int, tuple[float, bool]]:
+    flags = {int(s.labels["stage"]): s.value > 0 for s in samples.get("shardlm_stage_out_of_balance", [])}
+    return {int(s.labels["stage"]): (s.value, flags.get(int(s.labels["stage"]), False))
+            for s in samples.get("shardlm_stage_busy_seconds", [])}
 
 
 def histogram_summary(samples: dict, name: str) -> dict[str, float]:

@@ -83,7 +83,7 @@ def _load(service: Service, server: uvicorn.Server) -> None:
     after a moment in which requests in flight receive their error."""
     try:
         service.engine.wait_ready()
-        if service.metrics_interval_s:
+        if service.poller is not None and service.metrics_interval_s:
             service.poller.start()
         service.ready.set()
         log.warning("ready: serving %s", service.model_name)

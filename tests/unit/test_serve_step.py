@@ -1,0 +1,66 @@
+"""A serving rank's step (runtime/serve_step.py): prefill chunks of several slots share one forward pass,
+right-padded, and every row's tokens, logprobs and cached keys equal those of the chunk run alone."""
+
+import pytest
+import torch
+
+from refs import build
+from shardlm.parallel.context import ParallelContext
+from shardlm.plan.plan import KVBudget
+from shardlm.runtime.protocol import SamplingParams
+from shardlm.runtime.serve_step import SlotRunner, prefill_groups
+from shardlm.runtime.work import Decode, Prefill, SlotStart, Step
+
+GREEDY = SamplingParams()
+
+
+def _prefill(slot: int, tokens: list[int], start: int = 0, sample: bool = True, echo: bool = False) -> Prefill:
+    return Prefill(slot, tuple(tokens), start, sample, GREEDY, logprobs=2, prompt_logprobs=echo)
+
+
+def test_prefill_groups_share_a_pass_within_the_padding_bound():
+    short, mid, long = _prefill(0, [1] * 3), _prefill(1, [1] * 4), _prefill(2, [1] * 40)
+    assert [[p.slot for p in g] for g in prefill_groups([long, short, mid], 128)] == [[0, 1], [2]]
+    echo = _prefill(3, [1] * 4, echo=True)  # wants every position's logits: runs alone
+    assert [[p.slot for p in g] for g in prefill_groups([short, echo, mid], 128)] == [[3], [0, 1]]
+    near_end = _prefill(4, [1] * 3, start=125)  # padded to 4 it would pass the slot's end (128)
+    assert [[p.slot for p in g] for g in prefill_groups([near_end, mid], 128)] == [[4], [1]]
+    assert prefill_groups([], 128) == []
+
+
+def _runner(folder) -> SlotRunner:
+    rank = build(folder, kv=KVBudget(4, 64, 64))
+    return SlotRunner(rank, ParallelContext())
+
+
+def _cached(runner: SlotRunner, slot: int, length: int) -> list[torch.Tensor]:
+    return [c[layer][slot, :, :length] for c in (runner.cache.k, runner.cache.v) for layer in c]
+
+
+@pytest.mark.parametrize("name", ["gqa12x4", "mistral_window"])
+def test_batched_prefill_rows_equal_each_row_alone(random_dirs, name):
+    """Three prompts of different lengths in two chunks each, then decode: in one pass per step, or alone."""
+    prompts = [list(range(5, 16)), list(range(40, 53)), list(range(100, 109))]  # 11, 13, 9 tokens
+    split = [6, 4, 9]  # first chunk lengths; the third prompt fits in one chunk
+    together, alone = _runner(random_dirs[name]), _runner(random_dirs[name])
+    starts = tuple(SlotStart(slot, 7) for slot in range(3))
+    first = [_prefill(s, p[:n], sample=n == len(p)) for s, (p, n) in enumerate(zip(prompts, split))]
+    second = [_prefill(s, p[n:], start=n) for s, (p, n) in enumerate(zip(prompts, split)) if n < len(p)]
+    got, want = {}, {}
+    for i, chunks in enumerate((first, second)):
+        got.update(together.run(Step(i, starts if i == 0 else (), tuple(chunks))).slots)
+        for j, p in enumerate(chunks):
+            want.update(alone.run(Step(10 * i + j, starts if i == 0 and j == 0 else (), (p,))).slots)
+    assert {s: g.token for s, g in got.items()} == {s: w.token for s, w in want.items()}
+    for s in got:
+        assert got[s].logprob["token_logprob"] == pytest.approx(want[s].logprob["token_logprob"], abs=1e-5)
+    for slot, p in enumerate(prompts):
+        for a, b in zip(_cached(together, slot, len(p)), _cached(alone, slot, len(p))):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    tokens = {s: got[s].token for s in got}
+    for i in range(3):  # decode on top of the padded prefill: the padding was overwritten, never read
+        decodes = tuple(Decode(s, tokens[s], len(prompts[s]) + i, GREEDY) for s in range(3))
+        a = together.run(Step(100 + i, (), (), decodes)).slots
+        b = alone.run(Step(100 + i, (), (), decodes)).slots
+        assert {s: x.token for s, x in a.items()} == {s: x.token for s, x in b.items()}
+        tokens = {s: a[s].token for s in a}
