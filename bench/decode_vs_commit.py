@@ -1,6 +1,7 @@
 """Decode speed of this tree against an earlier commit, in one run: did a change cost speed?
 
-    python bench/decode_vs_commit.py [--commit 5ddb9e0] [--rounds 3] [--new-tokens 128] [--no-write]
+    python bench/decode_vs_commit.py [--commit 5ddb9e0] [--rounds 3] [--new-tokens 128]
+                                     [--quantization none|int8|int4] [--no-write]
 
 The earlier commit is checked out once as a git worktree (/tmp/shardlm-COMMIT) and run with the same
 interpreter and packages, its own source first on PYTHONPATH. Each round runs, for both trees in a
@@ -32,9 +33,10 @@ PROMPTS = ["The history of the printing press begins", "def merge_sort(items):",
 CASES = [(tp, batch) for tp in (1, 2) for batch in (1, 8)]
 
 
-def heading(commit: str) -> str:
-    """This benchmark's RESULTS.md heading."""
-    return f"## Decode after the engine rewrite: this tree vs {commit} (bench/decode_vs_commit.py)"
+def heading(commit: str, quantization: str = "none") -> str:
+    """This benchmark's RESULTS.md heading (one section per commit and quantization)."""
+    what = "" if quantization == "none" else f", {quantization}"
+    return f"## Decode after the engine rewrite: this tree vs {commit}{what} (bench/decode_vs_commit.py)"
 
 
 def worktree(commit: str) -> Path:
@@ -45,18 +47,18 @@ def worktree(commit: str) -> Path:
     return path
 
 
-def generate(tree: Path, tp: int, batch: int, new_tokens: int) -> dict:
+def generate(tree: Path, tp: int, batch: int, new_tokens: int, quantization: str = "none") -> dict:
     """`shardlm generate --json` from `tree`: its timings."""
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     cmd = [sys.executable, "-m", "shardlm", "generate", *PROMPTS[:batch], "--tp", str(tp), "--max-new-tokens",
-           str(new_tokens), "--ignore-eos", "--json"]
+           str(new_tokens), "--ignore-eos", "--json", "--quantization", quantization]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tree)
     if res.returncode != 0:
         raise RuntimeError(f"{tree}: generate --tp {tp} with {batch} prompts failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout)["timings"]
 
 
-def measure(trees: dict[str, Path], rounds: int, new_tokens: int) -> dict:
+def measure(trees: dict[str, Path], rounds: int, new_tokens: int, quantization: str = "none") -> dict:
     """(tree name, tp, batch) -> list of (decode tok/s, prefill tok/s), one per round."""
     got: dict = {}
     names = list(trees)
@@ -64,7 +66,7 @@ def measure(trees: dict[str, Path], rounds: int, new_tokens: int) -> dict:
         order = names[r % len(names):] + names[:r % len(names)]
         for tp, batch in CASES:
             for name in order:
-                t = generate(trees[name], tp, batch, new_tokens)
+                t = generate(trees[name], tp, batch, new_tokens, quantization)
                 got.setdefault((name, tp, batch), []).append((t["decode_tokens_per_s"], t["prefill_tokens_per_s"]))
                 print(f"round {r + 1} {name} tp{tp} batch {batch}: decode {t['decode_tokens_per_s']:.1f} tok/s",
                       flush=True)
@@ -74,10 +76,12 @@ def measure(trees: dict[str, Path], rounds: int, new_tokens: int) -> dict:
 def report(got: dict, commit: str, args, started: str) -> str:
     """The RESULTS.md section."""
     info = _decode.machine_info()
-    lines = [heading(commit), "",
+    q_flag = "" if args.quantization == "none" else f" --quantization {args.quantization}"
+    lines = [heading(commit, args.quantization), "",
              f"Command: `python bench/decode_vs_commit.py --commit {commit} --rounds {args.rounds} --new-tokens "
-             f"{args.new_tokens}`. Date: {started}. Machine: {info['cpu']}, {info['cores']} cores, {info['ram']}; "
-             f"torch {info['torch']}. `shardlm generate --json --ignore-eos` of each tree, float32 bundled model, "
+             f"{args.new_tokens}{q_flag}`. Date: {started}. Machine: {info['cpu']}, {info['cores']} cores, {info['ram']}; "
+             f"torch {info['torch']}. `shardlm generate --json --ignore-eos` of each tree, bundled model "
+             f"({'float32' if args.quantization == 'none' else args.quantization + ' weights'}), "
              "median over rounds (min-max).", "",
              "| tp | batch | decode tok/s, this tree | decode tok/s, " + commit + " | ratio | prefill tok/s, this "
              "tree / " + commit + " |", "|---|---|---|---|---|---|"]
@@ -100,17 +104,18 @@ def main() -> None:
     ap.add_argument("--commit", default="5ddb9e0")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     started, t0 = dt.datetime.now().strftime("%Y-%m-%d %H:%M"), time.monotonic()
     trees = {"this tree": ROOT, args.commit: worktree(args.commit)}
     for tree in trees.values():  # compile each tree's kernels before anything is timed
-        generate(tree, 1, 1, 4)
-    got = measure(trees, args.rounds, args.new_tokens)
+        generate(tree, 1, 1, 4, args.quantization)
+    got = measure(trees, args.rounds, args.new_tokens, args.quantization)
     text = report(got, args.commit, args, started)
     print(text + f"\n{(time.monotonic() - t0) / 60:.1f} min")
     if not args.no_write:
-        _decode.write_section(text, heading(args.commit))
+        _decode.write_section(text, heading(args.commit, args.quantization))
 
 
 if __name__ == "__main__":

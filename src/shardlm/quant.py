@@ -60,9 +60,16 @@ class Int8Weight:
     q: torch.Tensor
     scale: torch.Tensor
     pad: int = 0
+    gemv: object = None
+    """The compiled kernels (set by the rank builder in "gemv" mode): few rows on the CPU go through their
+    int8 loop, which streams the codes once and keeps the activations in float32."""
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out) = x @ (q * scale)^T."""
+        from shardlm.kernels.linear import GEMV_MAX_ROWS
+
+        if self.gemv is not None and not x.is_cuda and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+            return self.gemv.gemv_int8(x, self.q, self.scale)  # (..., out)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
         if self.pad:

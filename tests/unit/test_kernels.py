@@ -74,3 +74,35 @@ def test_only_the_settings_module_reads_the_environment():
     readers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if "os.environ" in p.read_text()
                      and p.name != "settings.py")
     assert readers == [], f"read the environment in shardlm/settings.py only, not in {readers}"
+
+
+@pytest.mark.parametrize("n,k", [(301, 577), (4, 8), (9, 7), (64, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rows_do_not_depend_on_the_batch_around_them(n, k, dtype, ext):
+    """Each output row has its own accumulator and order: a row alone equals the same row in any batch (a
+    served request's tokens must not depend on the requests beside it), for every tile shape and tail."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(16, k, generator=g)
+    alone = torch.cat([ext.gemv(x[j:j + 1], w) for j in range(16)])  # (16, n)
+    for b in (2, 3, 5, 8, 16):
+        assert torch.equal(ext.gemv(x[:b], w), alone[:b]), b
+    torch.testing.assert_close(alone, x @ w.float().T, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("n,k", [(301, 577), (96, 1000), (5, 40)])
+def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
+    from shardlm.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(2)
+    qw = quantize_int8(torch.randn(n, k, generator=g))  # codes padded to a multiple of 32 columns
+    dequantized = qw.q[:, :k].float() * qw.scale.float()[:, None]  # (n, k)
+    x = torch.randn(8, k, generator=g)
+    got = ext.gemv_int8(x, qw.q, qw.scale)
+    torch.testing.assert_close(got, x @ dequantized.T, atol=1e-4, rtol=1e-4)
+    assert torch.equal(ext.gemv_int8(x[:1], qw.q, qw.scale), got[:1])
+    qw.gemv = ext  # the module path: few rows through the kernel, more through torch's int8 matmul
+    torch.testing.assert_close(qw.matmul_t(x[:2]), got[:2])
+    many = torch.randn(40, k, generator=g)
+    want = many @ dequantized.T
+    assert (qw.matmul_t(many) - want).abs().max() <= 1e-2 * want.abs().max()  # torch's kernel: bf16 activations

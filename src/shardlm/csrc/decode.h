@@ -83,7 +83,8 @@ struct Segment {
 // Several matrices that read the same x (b, k), as one range of rows split across threads: each
 // thread streams its share of every matrix in one parallel region (one fork/join, not one per matrix).
 template <typename W>
-inline void gemv_segments(std::initializer_list<Segment<W>> segs, const float* x, int64_t k, int64_t b) {
+inline void gemv_segments(std::initializer_list<Segment<W>> segs, const float* x, int64_t k, int64_t b,
+                          int64_t ldw = 0) {
   const std::vector<Segment<W>> s(segs);
   int64_t total = 0;
   for (const auto& g : s) total += g.n;
@@ -91,7 +92,7 @@ inline void gemv_segments(std::initializer_list<Segment<W>> segs, const float* x
     int64_t start = 0;
     for (const auto& g : s) {  // the part of [lo, hi) that falls in this matrix's rows
       const int64_t a = std::max(lo, start), e = std::min(hi, start + g.n);
-      if (a < e) rows<W>(g.w, x, g.y, g.n, k, b, a - start, e - start);
+      if (a < e) rows<W>(g.w, x, g.y, g.n, k, b, a - start, e - start, ldw);
       start += g.n;
     }
   });

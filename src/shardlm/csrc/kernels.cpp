@@ -37,8 +37,26 @@ torch::Tensor gemv(torch::Tensor x_in, torch::Tensor w) {
   return y.view(lead).to(x_in.scalar_type());
 }
 
+// x (..., k) float32 or bfloat16; q (n, kq) int8 codes, kq >= k (zero columns past k are skipped); scale (n,)
+// -> (..., n) in x's dtype: x @ (q * scale)^T, accumulated in float32 (activations stay float32).
+torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "gemv_int8: contiguous int8 (n, kq)");
+  TORCH_CHECK(x_in.size(-1) <= q.size(1) && scale.numel() == q.size(0), "gemv_int8: shapes (..., k), (n, kq >= k), (n,)");
+  auto lead = x_in.sizes().vec();
+  lead.pop_back();
+  auto x = x_in.reshape({-1, x_in.size(-1)}).to(torch::kFloat).contiguous();
+  const int64_t n = q.size(0), k = x.size(1), b = x.size(0);
+  auto y = torch::empty({b, n}, x.options());
+  shardlm::gemv_segments<int8_t>({{q.data_ptr<int8_t>(), y.data_ptr<float>(), n}}, x.data_ptr<float>(), k, b,
+                                 q.size(1));
+  y.mul_(scale.to(torch::kFloat));  // (b, n) * (n,): each output row's scale
+  lead.push_back(n);
+  return y.view(lead).to(x_in.scalar_type());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "decode matrix-vector product");
+  m.def("gemv_int8", &gemv_int8, "decode matrix-vector product with int8 weights and per-row scales");
   m.def("attn_decode", &shardlm::attn_decode, "attention half of a block for one new token per row");
   m.def("mlp_decode", &shardlm::mlp_decode, "MLP half of a block up to the down projection");
 }

@@ -3,6 +3,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__FMA__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace shardlm {
 
@@ -19,6 +22,8 @@ template <>
 inline float load<float>(const float* p, int64_t i) { return p[i]; }
 template <>
 inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+template <>
+inline float load<int8_t>(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 
 // sum_i w[i] * x[i] over k elements, accumulated in float32.
 template <typename W>
@@ -29,13 +34,105 @@ inline float dot(const W* w, const float* x, int64_t k) {
   return acc;
 }
 
-// y[j, r] = dot(w[r, :], x[j, :]) for rows r in [lo, hi) and the b rows j of x (y has n columns).
+// Eight lanes of float32 (GCC/Clang vector extension: one AVX register, or half of an AVX-512 one).
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef int8_t v8i8 __attribute__((vector_size(8)));
+
+// a * b + c, fused where the CPU has FMA. The build turns implicit contraction off (-ffp-contract=off) so
+// that every copy of a loop rounds the same way; the hot loops ask for FMA here, explicitly.
+inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+  return reinterpret_cast<v8f>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                               reinterpret_cast<__m256>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
 template <typename W>
-void rows(const W* w, const float* x, float* y, int64_t n, int64_t k, int64_t b, int64_t lo, int64_t hi) {
-  for (int64_t r = lo; r < hi; ++r) {
-    const W* row = w + r * k;
-    for (int64_t j = 0; j < b; ++j) y[j * n + r] = dot<W>(row, x + j * k, k);
+inline v8f load8(const W* p);
+template <>
+inline v8f load8<float>(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <>
+inline v8f load8<uint16_t>(const uint16_t* p) {  // bfloat16: the high half of a float32
+#if defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<v8f>(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#endif
+  v8u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const v8u32 bits = __builtin_convertvector(h, v8u32) << 16;
+  v8f v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+template <>
+inline v8f load8<int8_t>(const int8_t* p) {  // int8 codes, widened to float32 (the row's scale comes after)
+#if defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<v8f>(_mm256_cvtepi32_ps(wide));
+#endif
+  v8i8 c;
+  std::memcpy(&c, p, sizeof(c));
+  return __builtin_convertvector(c, v8f);
+}
+
+// y[j, r] for R weight rows from r0 and J rows of x from j0. Each (r, j) pair keeps its own eight-lane
+// accumulator over k in steps of 8, then adds the lanes in order and the tail: the same arithmetic
+// whatever R, J or the tile's place, so a row's result does not depend on the batch around it. R x J
+// independent accumulators keep the FMA units busy (one accumulator waits on its own latency), and
+// each weight vector loaded serves all J rows of x.
+// Weight rows are `ldw` apart (>= k: an int8 weight's rows carry zero padding past its k columns).
+template <typename W, int R, int J>
+inline void tile(const W* w, int64_t ldw, const float* x, float* y, int64_t n, int64_t k, int64_t r0, int64_t j0) {
+  v8f acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = v8f{};
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    v8f xv[J];
+    for (int j = 0; j < J; ++j) xv[j] = load8<float>(x + (j0 + j) * k + i);
+    for (int r = 0; r < R; ++r) {
+      const v8f wv = load8<W>(w + (r0 + r) * ldw + i);
+      for (int j = 0; j < J; ++j) acc[r][j] = fma8(wv, xv[j], acc[r][j]);
+    }
   }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) {
+      float s = 0.f;
+      for (int l = 0; l < 8; ++l) s += acc[r][j][l];
+      for (int64_t t = i; t < k; ++t) s += load<W>(w, (r0 + r) * ldw + t) * x[(j0 + j) * k + t];
+      y[(j0 + j) * n + r0 + r] = s;
+    }
+}
+
+// Rows [r0, r0 + R) against every row of x, two rows of x at a time.
+template <typename W, int R>
+inline void tile_rows(const W* w, int64_t ldw, const float* x, float* y, int64_t n, int64_t k, int64_t b,
+                      int64_t r0) {
+  int64_t j = 0;
+  for (; j + 2 <= b; j += 2) tile<W, R, 2>(w, ldw, x, y, n, k, r0, j);
+  if (j < b) tile<W, R, 1>(w, ldw, x, y, n, k, r0, j);
+}
+
+// y[j, r] = dot(w[r, :], x[j, :]) for rows r in [lo, hi) and the b rows j of x (y has n columns).
+// Weight rows are `ldw` apart (default: k).
+template <typename W>
+void rows(const W* w, const float* x, float* y, int64_t n, int64_t k, int64_t b, int64_t lo, int64_t hi,
+          int64_t ldw = 0) {
+  ldw = ldw ? ldw : k;
+  int64_t r = lo;
+  if (b == 1)  // one row of x: more weight rows in flight at once
+    for (; r + 8 <= hi; r += 8) tile<W, 8, 1>(w, ldw, x, y, n, k, r, 0);
+  for (; r + 4 <= hi; r += 4) tile_rows<W, 4>(w, ldw, x, y, n, k, b, r);
+  for (; r < hi; ++r) tile_rows<W, 1>(w, ldw, x, y, n, k, b, r);
 }
 
 // out[j, :] = weight * (x[j, :] / sqrt(mean(x[j, :]^2) + eps)) for b rows of d elements.

@@ -35,6 +35,9 @@ from shardlm.plan.run import RunFlags, check_local_fit, plan_for_run
 from shardlm.runtime.protocol import SamplingParams
 from shardlm.settings import Settings
 
+GENERATE_PREFILL_TOKENS = 2048
+"""A batch job prefills up to this many prompt tokens per step (all of its prompts when they fit)."""
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -201,7 +204,9 @@ def prepare(request: GenerateRequest, model: str | None, flags: RunFlags, given:
     if longest > source.args.max_seq_len:
         raise UserError(f"prompt plus --max-new-tokens is {longest} tokens but the model allows "
                         f"{source.args.max_seq_len}; shorten the prompt or lower --max-new-tokens")
-    plan = settle_plan(source, flags, given, KVBudget(batch, longest, max(len(i) for i in ids)), manifest)
+    widest = max(len(i) for i in ids)  # every prompt prefills in the first step (one forward pass, padded rows)
+    chunk = max(widest, min(sum(len(i) for i in ids), GENERATE_PREFILL_TOKENS))
+    plan = settle_plan(source, flags, given, KVBudget(batch, longest, chunk), manifest)
     return Job(plan, source, request, tok, ids)
 
 

@@ -47,8 +47,10 @@ def extension(kernel_dir: Path):
             from torch.utils.cpp_extension import load
 
             build.mkdir(parents=True, exist_ok=True)
-            _LOADED[name] = load(name, [str(CSRC / "kernels.cpp")], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                 build_directory=str(build), verbose=False)
+            # no implicit contraction: every copy of a loop rounds alike (rows.h asks for FMA explicitly)
+            flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+            _LOADED[name] = load(name, [str(CSRC / "kernels.cpp")], extra_cflags=flags, build_directory=str(build),
+                                 verbose=False)
         except Exception as e:  # no compiler, no headers, an exotic CPU: fall back, say why once
             log.warning("decode kernel unavailable (%s); using oneDNN/MKL linear layers", e)
             _LOADED[name] = None

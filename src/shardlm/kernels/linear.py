@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS = 16
 """Inputs with at most this many rows (decode batches) use the compiled kernel."""
 
 
