@@ -107,11 +107,13 @@ def report(results: dict[str, list[_serve.Sample]], args, started: str, seconds:
     tpot = {m: statistics.median(s.tpot_p50_ms for s in results[m]) for m in results}
     cost = 1 - med["on"] / med["off"]
     info = _decode.machine_info()
+    prom = " --prometheus" if args.prometheus else ""
     lines = [HEADING, "",
              f"Command: `python bench/monitoring_overhead.py --rounds {args.rounds} --layout {args.layout} "
-             f"--concurrency {args.concurrency} --requests {args.requests}{' --prometheus' if args.prometheus else ''}`. Date: {started}; {seconds / 60:.1f} min. "
-             f"Machine: {info['cpu']}, {info['cores']} cores, {info['ram']}; torch {info['torch']}. Client: vLLM's serving benchmark (64-token random prompts, 64 "
-             f"output tokens, EOS ignored, streamed). \"on\": request metrics, rank polling every 1 s and {scraper} "
+             f"--concurrency {args.concurrency} --requests {args.requests}{prom}`. Date: {started}; "
+             f"{seconds / 60:.1f} min. Machine: {info['cpu']}, {info['cores']} cores, {info['ram']}; torch "
+             f"{info['torch']}. Client: vLLM's serving benchmark (64-token random prompts, 64 output tokens, "
+             f"EOS ignored, streamed). \"on\": request metrics, rank polling every 1 s and {scraper} "
              "scraping /metrics every 1 s; \"off\": `--no-metrics`. Median over rounds (min-max); the order of the "
              "two alternates between rounds.", "",
              "| monitoring | output tok/s | TPOT p50 ms | failed |", "|---|---|---|---|"]

@@ -225,3 +225,21 @@ def test_pipeline_stages_on_cuda_match_transformers(random_dirs, tp, counts, m):
     logits = next(r[0] for r in results if r[0] is not None)
     assert_logits_close(logits, ref_logits, Batch.from_lists(prompts).valid)
     assert results[0][1] == ref_tokens
+
+
+def test_metrics_report_gpu_memory_kinds_of_cuda_ranks(random_dirs):
+    """/metrics' memory families for CUDA ranks: allocated and reserved GPU bytes, at least the weights."""
+    from shardlm.engine import LocalEngine
+    from shardlm.serve.metrics import rank_families
+
+    folder = random_dirs["qwen2"]
+    plan, source = plan_for(folder, tp=2, device="cuda")
+    with LocalEngine(plan, source, timeout_s=300) as engine:
+        engine.generate(_prompts(997, [9, 5]), 4, SamplingParams(), ignore_eos=True)
+        stats = engine.rank_stats()
+    specs = [plan.rank_spec(r) for r in range(plan.world)]
+    memory = next(f for f in rank_families(stats, specs, plan) if f.name == "shardlm_rank_memory_bytes")
+    got = {(s.labels["rank"], s.labels["kind"]): s.value for s in memory.samples}
+    for rank in ("0", "1"):
+        assert got[(rank, "gpu_allocated")] >= got[(rank, "weights")] > 0, got
+        assert got[(rank, "gpu_reserved")] >= got[(rank, "gpu_allocated")], got

@@ -2,10 +2,11 @@
 
 Every rank of the plan runs the same Step (the driver hands it to each). Work items run in order: the
 prefill chunks, several slots per forward pass (right-padded to one width, see `prefill_groups`), then
-the decode rows as micro-batches (one group without pipeline stages). With stages, stage 0 embeds an item, runs its layers and sends the hidden states on without
-waiting, so the stages work on different items at the same time; the last stage samples. Rows sample
-with their own request's settings and random stream (seeded when the request took its slot), so a
-request's tokens do not depend on the rows beside it.
+the decode rows as micro-batches (one group without pipeline stages). With stages, stage 0 embeds an
+item, runs its layers and sends the hidden states on without waiting, so the stages work on different
+items at the same time; the last stage samples. Rows sample with their own request's settings and
+random stream (seeded when the request took its slot), so a request's tokens do not depend on the rows
+beside it.
 """
 
 from __future__ import annotations
