@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.kernels.linear import use_gemv
 from shardlm.quant_spec import INT4_GROUP, INT8_ALIGN
 
 ACT_DTYPE = torch.bfloat16
@@ -66,9 +67,7 @@ class Int8Weight:
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out) = x @ (q * scale)^T."""
-        from shardlm.kernels.linear import GEMV_MAX_ROWS
-
-        if self.gemv is not None and not x.is_cuda and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        if use_gemv(x, self.gemv):
             return self.gemv.gemv_int8(x, self.q, self.scale)  # (..., out)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)

@@ -27,9 +27,14 @@ GEMV_MAX_ROWS = 16
 """Inputs with at most this many rows (decode batches) use the compiled kernel."""
 
 
+def use_gemv(x: torch.Tensor, gemv) -> bool:
+    """Whether `x` goes through the compiled loop: kernels present, a CPU input of at most GEMV_MAX_ROWS rows."""
+    return gemv is not None and not x.is_cuda and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+
+
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, gemv=None) -> torch.Tensor:
     """x (..., in) @ weight^T -> (..., out) for a plain weight: `gemv`'s loop for few rows, else F.linear."""
-    if gemv is not None and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and not x.is_cuda:
+    if use_gemv(x, gemv):
         return gemv.gemv(x, weight)  # (..., out), accumulated in float32
     return F.linear(x, weight)
 

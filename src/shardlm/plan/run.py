@@ -5,8 +5,8 @@ fixed_candidate`): the same memory model, predictions and balance check as `shar
 to the layout the user asked for. Fields the user leaves out take the runtime's defaults: tp 1, pp 1,
 one micro-batch per stage, float32, no quantization, and stage ranges balanced by the planner's own
 layer assignment (predicted stage time; the stages holding the embedding and the LM head get fewer
-layers), falling back to an even split when the memory caps leave no balanced assignment. `--memory-budget` decides
-here, once, which layers of each stage stream in (`plan.streaming`), so every rank receives its own
+layers), falling back to an even split when the memory caps leave no balanced assignment.
+`--memory-budget` decides here, once, which layers of each stage stream in (`plan.streaming`), so every rank receives its own
 offloaded layers in its RankSpec instead of working them out itself.
 """
 
