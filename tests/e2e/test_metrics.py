@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +155,29 @@ def test_dashboard_in_headless_chromium_equals_metrics_and_updates(served, tmp_p
             assert shot.stat().st_size > 10_000
         finally:
             browser.close()
+
+
+def test_ranks_report_while_a_request_decodes_and_its_tokens_do_not_change(served):
+    """Polls during decode ride on the steps (each rank sends its counters after a step): the step counts on
+    /metrics grow between two scrapes taken while a request runs, and its tokens equal the same request run
+    with nobody scraping."""
+    s, _ = served
+    body = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.update(res=s.post("/v1/completions", body)))
+    worker.start()
+    counts, running = [], []
+    deadline = time.monotonic() + 60
+    while worker.is_alive() and len(counts) < 2 and time.monotonic() < deadline:
+        time.sleep(1.2)  # the poller gathers every 1 s
+        m = _samples(httpx.get(s.url + "/metrics", timeout=60).text)
+        running.append(_value(m, "shardlm_requests_running", model_name=NAME))
+        counts.append(_value(m, "shardlm_stage_step_seconds_count", stage="0"))
+    worker.join(timeout=120)
+    assert len(counts) == 2 and running == [1, 1], (counts, running, "the request ended before two scrapes")
+    assert counts[1] > counts[0], counts
+    alone = s.post("/v1/completions", body)
+    assert box["res"].json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
 
 
 def test_an_unbalanced_plan_is_refused_then_served_with_its_slow_stage_flagged(bundled_dir):

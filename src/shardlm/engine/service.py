@@ -14,6 +14,7 @@ limit; a rank that fails, dies or hangs ends every request with an error naming 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -67,7 +68,7 @@ class Engine:
         kv = plan.kv
         self.scheduler = Scheduler(kv.max_batch, kv.max_seq_len, kv.prefill_chunk, source.args.eos_token_ids)
         self._inbox: queue.Queue[Request] = queue.Queue()
-        self._stats_asks: queue.Queue[queue.Queue] = queue.Queue()
+        self._gather = StatsGather(self.group.world)
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
@@ -218,10 +219,10 @@ class Engine:
                 if step.empty:
                     self._wait_for_work()
                     continue
+                if self._gather.begin():  # a poll is waiting: the ranks send their counters after this step
+                    step = dataclasses.replace(step, report_stats=True)
                 self.group.send(step)
-                kind, _, result = self.group.receive(self.group.timeout_s)
-                self.scheduler.apply(step, result, self.tokenizer)
-                self._answer_stats()
+                self.scheduler.apply(step, self._receive_step(), self.tokenizer)
             self._take_new()
             self.scheduler.cancel_all()
         except RankFailure as e:
@@ -238,26 +239,30 @@ class Engine:
         return self._inbox.empty() and self.scheduler.idle()
 
     def rank_stats(self, timeout: float = 30.0) -> list[dict]:
-        """Every rank's counters (memory, collectives, streaming), asked for between two steps."""
+        """Every rank's counters (memory, collectives, streaming): sent by the ranks after the next step, or
+        at once when the engine is idle (queue.Empty after `timeout` seconds)."""
         box: queue.Queue = queue.Queue()
-        self._stats_asks.put(box)
+        self._gather.asks.put(box)
         self._wake.set()
         return box.get(timeout=timeout)
 
-    def _answer_stats(self) -> None:
-        """Collect every rank's counters for each pending rank_stats() call."""
+    def _receive_step(self):
+        """The step's result; the ranks' counters that arrive meanwhile go to the gathering under way."""
         while True:
-            try:
-                box = self._stats_asks.get_nowait()
-            except queue.Empty:
-                return
+            kind, rank, payload = self.group.receive(self.group.timeout_s)
+            if kind == "stats":
+                self._gather.take(rank, payload)
+            elif kind == "step":
+                return payload
+
+    def _finish_stats(self) -> None:
+        """Idle: complete the gathering under way, or start one for pending asks (a "stats" message)."""
+        if self._gather.begin():
             self.group.send("stats")
-            got = {}
-            while len(got) < self.group.world:
-                kind, rank, payload = self.group.receive(self.group.timeout_s)
-                if kind == "stats":
-                    got[rank] = payload
-            box.put([got[r] for r in range(self.group.world)])
+        while self._gather.under_way:
+            kind, rank, payload = self.group.receive(self.group.timeout_s)
+            if kind == "stats":
+                self._gather.take(rank, payload)
 
     def _take_new(self) -> None:
         while True:
@@ -269,8 +274,8 @@ class Engine:
     def _wait_for_work(self) -> None:
         """Idle: wait for a request or close(), checking the ranks' heartbeats meanwhile."""
         while not self._closing.is_set() and self._inbox.empty() and not self._any_cancelled():
-            self._answer_stats()
-            if not self._stats_asks.empty():
+            self._finish_stats()
+            if self._gather.pending():
                 continue
             self._wake.wait(timeout=0.5)
             self._wake.clear()
@@ -278,3 +283,43 @@ class Engine:
 
     def _any_cancelled(self) -> bool:
         return any(r.cancelled.is_set() for r in list(self.scheduler.waiting) + list(self.scheduler.running))
+
+
+class StatsGather:
+    """Every rank's counters for the rank_stats() calls waiting: a gathering starts when none is under way,
+    answers every call pending at its start, and ends when each rank has sent its counters."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.asks: queue.Queue[queue.Queue] = queue.Queue()
+        self._boxes: list[queue.Queue] = []
+        self._got: dict[int, dict] | None = None
+
+    @property
+    def under_way(self) -> bool:
+        """Counters were asked of the ranks and some have not arrived."""
+        return self._got is not None
+
+    def pending(self) -> bool:
+        """Calls are waiting for a gathering not yet started."""
+        return not self.asks.empty()
+
+    def begin(self) -> bool:
+        """Start a gathering for the pending calls; False when none is pending or one is under way."""
+        if self._got is not None or self.asks.empty():
+            return False
+        while not self.asks.empty():
+            self._boxes.append(self.asks.get_nowait())
+        self._got = {}
+        return True
+
+    def take(self, rank: int, counters: dict) -> None:
+        """Rank `rank`'s counters; the last of them answers the calls."""
+        if self._got is None:
+            return
+        self._got[rank] = counters
+        if len(self._got) == self.world:
+            answer = [self._got[r] for r in range(self.world)]
+            for box in self._boxes:
+                box.put(answer)
+            self._boxes, self._got = [], None

@@ -58,6 +58,9 @@ class Step:
     starts: tuple[SlotStart, ...] = ()
     prefills: tuple[Prefill, ...] = ()
     decodes: tuple[Decode, ...] = ()
+    report_stats: bool = False
+    """Every rank sends its counters (`rank_stats`) after this step: a poll asked for them, and riding on a step
+    costs no round trip of its own between two steps."""
 
     @property
     def empty(self) -> bool:

@@ -159,17 +159,20 @@ def _serve(launch: RankLaunch, inbox, outbox, listener) -> None:
     dist.barrier()
     rank.stats.load_s = time.perf_counter() - t0
     outbox.put(("ready", launch.spec.rank, _ready_report(rank, device, runner)))
+    fixed = fixed_stats(rank, runner)
     try:
         while True:
             msg = inbox.get()
             if msg is None:
                 return
             if msg == "stats":
-                outbox.put(("stats", launch.spec.rank, rank_stats(rank, ctx, runner)))
+                outbox.put(("stats", launch.spec.rank, rank_stats(rank, ctx, runner, fixed)))
                 continue
             result = runner.run(msg)
             if result is not None:
                 outbox.put(("step", launch.spec.rank, result))
+            if msg.report_stats:  # after the result, so the driver is not kept waiting for it
+                outbox.put(("stats", launch.spec.rank, rank_stats(rank, ctx, runner, fixed)))
     finally:
         rank.close()
         if ctx.shm is not None:
@@ -177,13 +180,25 @@ def _serve(launch: RankLaunch, inbox, outbox, listener) -> None:
         dist.destroy_process_group()
 
 
-def rank_stats(rank: RankModel, ctx: ParallelContext, runner: SlotRunner) -> dict[str, Any]:
-    """This rank's counters so far: memory, collectives per op, streaming."""
+def fixed_stats(rank: RankModel, runner: SlotRunner) -> dict[str, int] | None:
+    """The counters that cannot change after loading (weights held, KV cache, bytes streamed per step), counted
+    once: walking every module for the weight bytes takes milliseconds a poll should not. None for a rank that
+    streams offloaded layers, whose resident weights change as layers come and go."""
+    if rank.streamer is not None:
+        return None
+    return {"weight_bytes": rank.resident_bytes(), "kv_cache_bytes": runner.cache.nbytes(),
+            "streamed_bytes": rank.streamed_bytes_per_step()}
+
+
+def rank_stats(rank: RankModel, ctx: ParallelContext, runner: SlotRunner,
+               fixed: dict[str, int] | None = None) -> dict[str, Any]:
+    """This rank's counters so far: memory, collectives per op, streaming (`fixed`: those counted at load)."""
     streamer, device = rank.streamer, str(rank.device)
     gpu = device.startswith("cuda")
+    fixed = fixed or {"weight_bytes": rank.resident_bytes(), "kv_cache_bytes": runner.cache.nbytes(),
+                      "streamed_bytes": rank.streamed_bytes_per_step()}
     return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": peak_gpu_bytes(device), "rss_bytes": rss_bytes(),
-            "comms": ctx.snapshot(), "weight_bytes": rank.resident_bytes(), "kv_cache_bytes": runner.cache.nbytes(),
-            "streamed_bytes": rank.streamed_bytes_per_step(), "steps": runner.clock.as_dict(),
+            "comms": ctx.snapshot(), **fixed, "steps": runner.clock.as_dict(),
             "gpu_allocated_bytes": int(torch.cuda.memory_allocated(device)) if gpu else None,
             "gpu_reserved_bytes": int(torch.cuda.memory_reserved(device)) if gpu else None,
             "streaming": streamer.stats.as_dict() if streamer is not None else None}

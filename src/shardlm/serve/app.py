@@ -50,6 +50,7 @@ class Service:
     """False (--no-metrics): no request metrics, no rank polling, /metrics answers 404."""
     registry: object = None
     poller: object = None
+    rank_text: object = None
 
     def start_metrics(self) -> None:
         """Register the request metrics with the engine and start polling the ranks (unless metrics are off)."""
@@ -57,12 +58,13 @@ class Service:
             return
         from prometheus_client import CollectorRegistry
 
-        from shardlm.serve.metrics import EngineCollector, RankPoller, RequestMetrics
+        from shardlm.serve.metrics import EngineCollector, RankExposition, RankPoller, RequestMetrics
 
         self.registry = CollectorRegistry()
         self.engine.scheduler.observer = RequestMetrics(self.registry, self.model_name)
         self.poller = RankPoller(self.engine, self.metrics_interval_s)  # started only when the interval is > 0
         self.registry.register(EngineCollector(self.engine, self.poller, self.model_name))
+        self.rank_text = RankExposition(self.engine, self.poller)
 
     def metrics_text(self) -> bytes:
         """The exposition, with the ranks' counters as of the last poll (polled now if there was none)."""
@@ -70,7 +72,7 @@ class Service:
 
         if self.poller.latest is None and self.ready.is_set() and self.metrics_interval_s:
             self.poller.poll()
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + self.rank_text.text()
 
     def check_model(self, name: str) -> None:
         """ApiError 404 unless `name` is the served model."""

@@ -6,10 +6,11 @@ Three sources, none of which stalls decode:
   buckets, token and finished-request counters;
 - the engine's state, read when Prometheus scrapes (`EngineCollector`): requests running and waiting,
   KV-cache usage;
-- the ranks' counters, gathered by `RankPoller` every few seconds between two steps (one message per
-  rank): memory by kind beside the plan's prediction and the device's capacity, traffic per link, step
-  time per stage (a histogram each rank keeps, with the plan's predicted stage time beside it), measured
-  balance against the plan's limit, and the prefetch hit rate of ranks that stream offloaded layers.
+- the ranks' counters, gathered by `RankPoller` every few seconds: each rank sends them after the next step
+  (no round trip of its own), and they are rendered to text once per poll (`RankExposition`): memory by kind
+  beside the plan's prediction and the device's capacity, traffic per link, step time per stage (a histogram
+  each rank keeps, with the plan's predicted stage time beside it), measured balance against the plan's limit,
+  and the prefetch hit rate of ranks that stream offloaded layers.
 
 Names are `shardlm_*` with underscores only, so `promtool check metrics` passes (vLLM's `vllm:` names
 do not). Traffic per link (src -> dst): a collective among a tensor-parallel group is counted on each
@@ -108,6 +109,33 @@ class RankPoller:
                 pass
 
 
+class RankExposition:
+    """The ranks' part of /metrics as exposition text, rendered once per rank poll: scrapes between two polls
+    (a Prometheus server and a dashboard each scraping) reuse it instead of rebuilding it on the driver,
+    whose CPU time is taken from the ranks' on a machine they fill."""
+
+    def __init__(self, engine, poller: RankPoller):
+        self.engine, self.poller = engine, poller
+        self._text, self._at = b"", None
+
+    def collect(self):
+        """prometheus_client's collector protocol: the families of the latest poll."""
+        plan = self.engine.plan
+        specs = [plan.rank_spec(r) for r in range(plan.world)]
+        return rank_families(self.poller.latest, specs, plan)
+
+    def text(self) -> bytes:
+        """The latest poll's families in Prometheus text format (empty before the first poll)."""
+        from prometheus_client import generate_latest
+
+        latest, at = self.poller.latest, self.poller.at
+        if latest is None:
+            return b""
+        if at != self._at:
+            self._text, self._at = generate_latest(self), at
+        return self._text
+
+
 class EngineCollector:
     """Gauges and counters read at scrape time from the engine, the plan and the latest rank poll."""
 
@@ -115,11 +143,8 @@ class EngineCollector:
         self.engine, self.poller, self.model_name = engine, poller, model_name
 
     def collect(self):
-        """prometheus_client's collector protocol."""
+        """prometheus_client's collector protocol (the ranks' part is `RankExposition`, served as cached text)."""
         yield from self._requests()
-        if self.poller.latest is not None:
-            specs = [self.engine.plan.rank_spec(r) for r in range(self.engine.plan.world)]
-            yield from rank_families(self.poller.latest, specs, self.engine.plan)
 
     def _requests(self):
         st, kv = self.engine.stats(), self.engine.plan.kv
