@@ -1,16 +1,14 @@
 """Weight-only quantization of linear layers: int8 per output channel, int4 in groups along the input.
 
-Kernels: PyTorch's own weight-only matmuls, `aten._weight_int8pack_mm` (int8 x float, CPU and
-CUDA), `aten._weight_int4pack_mm_for_cpu` (tinygemm-style int4, CPU) and `aten._weight_int4pack_mm`
-(the tinygemm int4 kernel on CUDA, sm80 and later), the ones torchao's int8/int4 weight-only layouts
-dispatched to. The two int4 kernels share the arithmetic (W = (q - 8) * scale + zero, the same
-(groups, rows, 2) scale/zero table) and differ only in how the codes are packed, so one set of
-codes serves both: `pack_int4` packs them for the device they will run on. We call them directly
-rather than through torchao:
-torchao 0.18's int4 weight-only has no CPU layout (its plain format needs a CUDA-only library,
-plain_int32 refuses CPU tensors; tried on this machine), and importing it tries to load its CUDA
-extensions. Using the ops through torch keeps the dependency list as it is and the same code on
-every torch in our range.
+Kernels. On the CPU, our own (csrc/qrows.h, through the compiled kernels): each input row is quantized to
+int8 in blocks of 32 and meets the int8 or int4 codes in the CPU's byte dot-product units, so codes are
+never widened to float; int8 runs there for decode batches (few rows) and int4 for every product, its codes
+stored in that kernel's layout (`pack_int4`). Larger int8 inputs go through PyTorch's
+`aten._weight_int8pack_mm` (bfloat16 activations). On CUDA, PyTorch's `_weight_int8pack_mm` and the
+tinygemm int4 kernel `aten._weight_int4pack_mm` (sm80 and later), the ones torchao's weight-only layouts
+dispatch to. We call them directly rather than through torchao: torchao 0.18's int4 weight-only has no CPU
+layout (its plain format needs a CUDA-only library, plain_int32 refuses CPU tensors; tried on this machine),
+and importing it tries to load its CUDA extensions.
 
 Quantization parameters are those of the *unsharded* tensor whatever the TP degree:
 - int8: scale_o = max_i |W[o, i]| / 127 over the whole row. Column-parallel ranks hold whole
@@ -24,15 +22,13 @@ Quantization parameters are those of the *unsharded* tensor whatever the TP degr
 So a tp 2 model holds exactly the integers and scales a tp 1 model holds, sliced; only the order
 of the final sums differs.
 
-Activations enter the quantized matmuls as bfloat16 (scales and zeros are stored in bfloat16 too),
-whatever the model's dtype, and the result is cast back: these CPU kernels have a fast path only
-for bfloat16 inputs. Measured here (2 threads, one row, a 4096 x 4096 weight): int8 0.44 ms and
-int4 0.46 ms with bfloat16 activations, 7.1 and 14.4 ms with float32 ones, against 1.9 ms for our
-float32 decode kernel. Accumulation inside the kernels is float32.
+Scales and zeros are stored in bfloat16. PyTorch's kernels take bfloat16 activations (their only fast path
+on the CPU) and the result is cast back; accumulation inside every kernel is float32 (int32 inside a block
+of 32 in ours).
 
-The int8 kernel returns wrong values or crashes when the input width is not a multiple of 32
+PyTorch's int8 kernel returns wrong values or crashes when the input width is not a multiple of 32
 (torch 2.13, found on this machine with widths 100, 104 and 200), so int8 weights are padded with
-zero columns to a multiple of 32, like int4 weights are to whole groups.
+zero columns to a multiple of 32, like int4 weights are to whole groups (ours needs it too).
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.kernels.linear import use_gemv
 from shardlm.quant_spec import INT4_GROUP, INT8_ALIGN
 
 ACT_DTYPE = torch.bfloat16
@@ -62,13 +57,15 @@ class Int8Weight:
     scale: torch.Tensor
     pad: int = 0
     gemv: object = None
-    """The compiled kernels (set by the rank builder in "gemv" mode): few rows on the CPU go through their
-    int8 loop, which streams the codes once and keeps the activations in float32."""
+    """The compiled kernels (set by the rank builder in "gemv" mode): every CPU product goes through their int8
+    loop (integer dot products on block-quantized inputs, sums in double)."""
+    wide_sums = True
+    """`matmul_t(x, wide=True)` can return float64 partial sums (see RowParallelLinear)."""
 
-    def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> (..., out) = x @ (q * scale)^T."""
-        if use_gemv(x, self.gemv):
-            return self.gemv.gemv_int8(x, self.q, self.scale)  # (..., out)
+    def matmul_t(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        """x (..., in) -> (..., out) = x @ (q * scale)^T; `wide`: float64 when our kernel runs (else x's dtype)."""
+        if self.gemv is not None and not x.is_cuda:
+            return self.gemv.gemv_int8(x, self.q, self.scale, wide)  # (..., out)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
         if self.pad:
@@ -89,10 +86,13 @@ class Int8Weight:
 
 @dataclass
 class Int4Weight:
-    """Packed int4 weight for the CPU or CUDA kernel, scales and zeros per (group, row), and the padding.
+    """int4 codes, scales and zeros in the layout of the device's kernel, and the padding.
 
-    `pad_left`/`pad_right` zero columns were added so the local columns fall on whole groups;
-    `out` real rows of `packed`'s padded row count are kept.
+    CPU (csrc/qrows.h, any number of rows): `packed` (out, padded in / 2) uint8, two codes per byte (each group
+    of 32 columns in 16 bytes: column i in the low nibble of byte i, column 16 + i in its high nibble),
+    `scales_zeros` (out, groups, 2). CUDA (torch's tinygemm kernel): `packed` in its tiled layout over a multiple
+    of 16 rows, `scales_zeros` (groups, rows, 2). `pad_left`/`pad_right` zero columns were added so the local
+    columns fall on whole groups; `out` real rows are kept.
     """
 
     packed: torch.Tensor
@@ -103,20 +103,37 @@ class Int4Weight:
     pad_right: int
     in_features: int
     """Input width of the weight (without the padding)."""
+    gemv: object = None
+    """The compiled kernels (set by the rank builder in "gemv" mode): every CPU product goes through their int4
+    loop; without them the weight is dequantized for each product (slow, but every kernel mode runs)."""
+    wide_sums = True
+    """`matmul_t(x, wide=True)` can return float64 partial sums (see RowParallelLinear)."""
 
-    def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> (..., out)."""
+    def matmul_t(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        """x (..., in) -> (..., out); `wide`: float64 when our kernel runs (else x's dtype)."""
+        if not self.packed.is_cuda:
+            if self.gemv is not None:
+                return self.gemv.gemm_int4(x, self.packed, self.scales_zeros, self.pad_left, wide)  # (..., out)
+            return F.linear(x, self.dequantized().to(x.dtype))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
         if self.pad_left or self.pad_right:
             x2 = F.pad(x2, (self.pad_left, self.pad_right))  # (rows, padded in): zeros meet the zero columns
-        if self.packed.is_cuda:
-            y = torch._weight_int4pack_mm(x2.contiguous(), self.packed, self.group, self.scales_zeros)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, self.group, self.scales_zeros)
+        y = torch._weight_int4pack_mm(x2.contiguous(), self.packed, self.group, self.scales_zeros)
         if y.shape[-1] != self.out:
             y = y[:, :self.out]  # drop the rows added to reach a multiple of 16
         return y.reshape(*lead, self.out).to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight (out, in) a CPU Int4Weight stands for."""
+        out, half = self.packed.shape
+        groups = half * 2 // self.group
+        nibbles = torch.stack([self.packed & 15, self.packed >> 4], dim=1)  # (out, 2, half): low, high nibbles
+        # (out, 2, groups, group / 2) -> (out, groups, 2, group / 2) -> (out, groups, group): columns in order
+        codes = nibbles.view(out, 2, groups, self.group // 2).transpose(1, 2).reshape(out, groups, self.group)
+        scale, zero = self.scales_zeros.float().unbind(-1)  # (out, groups) each
+        w = (codes.float() - 8) * scale[..., None] + zero[..., None]  # (out, groups, group)
+        return w.view(out, -1)[:, self.pad_left:self.pad_left + self.in_features]
 
     def nbytes(self) -> int:
         """Bytes held."""
@@ -194,20 +211,23 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
     if device is not None:
         q, scale, zero = q.to(device), scale.to(device), zero.to(device)
     out, padded_k = q.shape
-    n_pad = -out % 16  # the kernels want a multiple of 16 (CPU) / 8 (CUDA) rows
+    in_features = padded_k - pad_left - pad_right
+    if not q.is_cuda:
+        halves = q.to(torch.uint8).contiguous().view(out, padded_k // group_size, 2, group_size // 2)  # (out, groups, 2, 16)
+        packed = (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(out, padded_k // 2)  # low: first 16 columns
+        scales_zeros = torch.stack([scale, zero], dim=-1).to(ACT_DTYPE).contiguous()  # (out, groups, 2)
+        return Int4Weight(packed.contiguous(), scales_zeros, group_size, out, pad_left, pad_right, in_features)
+    n_pad = -out % 16  # the CUDA kernel wants a multiple of 8 rows; 16 keeps one rule
     q = q.to(torch.int32)
     if n_pad:
         q = F.pad(q, (0, 0, 0, n_pad), value=8)  # rows that decode to `zero`=0 below: harmless, dropped after
         scale, zero = F.pad(scale, (0, 0, 0, n_pad), value=1.0), F.pad(zero, (0, 0, 0, n_pad))
-    if q.is_cuda:
-        # two codes per byte, even column in the high nibble; tiles of 16 x inner_k_tiles columns
-        nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # (rows, padded_k / 2)
-        inner = 8 if padded_k % 128 == 0 else 4 if padded_k % 64 == 0 else 2
-        packed = torch._convert_weight_to_int4pack(nibbles.contiguous(), inner)
-    else:
-        packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    # two codes per byte, even column in the high nibble; tiles of 16 x inner_k_tiles columns
+    nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # (rows, padded_k / 2)
+    inner = 8 if padded_k % 128 == 0 else 4 if padded_k % 64 == 0 else 2
+    packed = torch._convert_weight_to_int4pack(nibbles.contiguous(), inner)
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACT_DTYPE).contiguous()  # (groups, rows, 2)
-    return Int4Weight(packed, scales_zeros, group_size, out, pad_left, pad_right, padded_k - pad_left - pad_right)
+    return Int4Weight(packed, scales_zeros, group_size, out, pad_left, pad_right, in_features)
 
 
 def quantize_int4(w: torch.Tensor, start: int = 0, total: int | None = None,

@@ -41,21 +41,23 @@ def is_quantizable(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES
 
 
-def linear_bytes(rows: int, cols: int, kind: str, col_start: int = 0) -> int:
+def linear_bytes(rows: int, cols: int, kind: str, col_start: int = 0, device_kind: str = "cpu") -> int:
     """Bytes a quantized linear weight of `rows` x `cols` holds in memory in the kernels' format
     (shardlm.quant), padding included; `col_start` is its first column in the full weight (a
     row-parallel slice), since int4 groups count from column 0 of the full tensor.
 
     int8: codes padded to a multiple of INT8_ALIGN columns plus one bfloat16 scale per row.
     int4: two codes per byte over whole groups (a slice starting or ending inside a group is padded
-    to whole groups), rows padded to a multiple of 16, a bfloat16 scale and zero per (group, row).
+    to whole groups), a bfloat16 scale and zero per (group, row); on CUDA (`device_kind`) rows are padded
+    to a multiple of 16 for torch's kernel, on the CPU ours takes them as they are.
     """
     if kind == "int8":
         return rows * (cols + -cols % INT8_ALIGN) + rows * 2
     if kind != "int4":
         raise QuantizationError(f"no quantized size for {kind!r}; use int8 or int4")
     groups = -(-(col_start % INT4_GROUP + cols) // INT4_GROUP)
-    return (rows + -rows % 16) * (groups * INT4_GROUP // 2 + groups * 4)
+    padded_rows = rows + -rows % 16 if device_kind == "cuda" else rows
+    return padded_rows * (groups * INT4_GROUP // 2 + groups * 4)
 
 
 def checkpoint_quantization(cfg: dict[str, Any]) -> str | None:

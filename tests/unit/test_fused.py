@@ -13,8 +13,8 @@ from shardlm.runtime.step import Batch, Rows
 from shardlm.settings import Settings
 
 
-def _load(folder, kernel_mode="gemv", dtype=torch.float32):
-    rank = build(folder, settings=Settings(kernels=kernel_mode), dtype=str(dtype).removeprefix("torch."))
+def _load(folder, kernel_mode="gemv", dtype=torch.float32, **flags):
+    rank = build(folder, settings=Settings(kernels=kernel_mode), dtype=str(dtype).removeprefix("torch."), **flags)
     return rank, rank.args
 
 
@@ -101,6 +101,31 @@ def test_fused_decode_bfloat16(name, random_dirs):
     assert err_fused <= 1.5 * err_modules, (err_fused, err_modules)
 
 
+@pytest.mark.parametrize("name", ["gqa12x4", "biased_mha"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@torch.no_grad()
+def test_fused_decode_quantized(name, dtype, kind, random_dirs):
+    """int8 and int4 weights: the fused step (integer dot products on block-quantized inputs) runs every block and
+    is as close to the float32 model as the module path, whose few-row matmuls run the same kernels one
+    projection at a time. The two are not equal to 1e-4: the norms and rotary differ in their last bits, and
+    an input that lands near half a step of its block's scale rounds to the other code."""
+    f32, args = _load(random_dirs[name])
+    prompts = _prompts(args.vocab_size)
+    exact, fed, _ = _decode_logits(f32, args, prompts, 12, use_fused=False)
+    model, _ = _load(random_dirs[name], dtype=dtype, quantization=kind)
+    assert model.kernels.fused_layers == args.n_layers, f"{kind} blocks should take the fused step"
+    ref, _, _ = _decode_logits(model, args, prompts, 12, use_fused=False, tokens=fed, dtype=dtype)
+    got, _, runs = _decode_logits(model, args, prompts, 12, use_fused=True, tokens=fed, dtype=dtype)
+    assert runs == 12 * args.n_layers, "fused path not taken"
+    scale = exact.abs().max()
+    err_fused, err_modules = (got - exact).abs().max() / scale, (ref - exact).abs().max() / scale
+    if dtype == torch.float32:  # bfloat16: the module path rounds after every op, so only the errors compare
+        assert (got - ref).abs().max() <= 0.05 * scale
+    assert err_fused <= 1.25 * err_modules + 0.01, (err_fused, err_modules)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
 @torch.no_grad()
 def test_fused_decode_bfloat16_bundled(bundled_dir, prompt64):
     """On the bundled model, teacher-forced with the float32 model's greedy tokens: the fused
@@ -137,8 +162,8 @@ def test_fused_decode_irregular_kv_map(random_dirs):
 
 @torch.no_grad()
 def test_fused_path_skipped_where_it_does_not_apply(random_dirs):
-    """A dtype other than the weights', quantized and oneDNN-packed layers, and batches over
-    GEMV_MAX_ROWS take the module path."""
+    """A dtype other than the weights', oneDNN-packed layers, quantized ones without the compiled kernels, and
+    batches over GEMV_MAX_ROWS take the module path."""
     folder = random_dirs["gqa12x4"]
     packed, args = _load(folder, "onednn")
     assert packed.kernels.fused_layers == 0  # packed q/k/v: not plain, no fused step installed
@@ -155,6 +180,6 @@ def test_fused_path_skipped_where_it_does_not_apply(random_dirs):
     assert not step.applies(x.half(), mask, rows.cache)
     assert not step.applies(torch.randn(GEMV_MAX_ROWS + 1, 1, args.dim), mask, rows.cache)
     assert not step.applies(x, mask, None)
-    quantized = build(folder, quantization="int8")
-    assert quantized.kernels.fused_layers == 0
+    quantized = build(folder, quantization="int4", settings=Settings(kernels="onednn"))
+    assert quantized.kernels.fused_layers == 0  # quantized, but no compiled kernels chosen
     assert quantized.module.model.layers["0"].decode_step is None

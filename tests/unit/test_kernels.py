@@ -90,19 +90,118 @@ def test_gemv_rows_do_not_depend_on_the_batch_around_them(n, k, dtype, ext):
     torch.testing.assert_close(alone, x @ w.float().T, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("n,k", [(301, 577), (96, 1000), (5, 40)])
+def _blocks_of_32(x: torch.Tensor) -> torch.Tensor:
+    """x (b, k) as the int8 kernels see it: each block of 32 rounded to 255 levels of its own scale, max|x| / 127."""
+    b, k = x.shape
+    kp = -(-k // 32) * 32
+    blocks = F.pad(x, (0, kp - k)).view(b, kp // 32, 32)  # (b, blocks, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    codes = torch.where(amax > 0, torch.round(blocks * (127 / amax)), torch.zeros_like(blocks))
+    return (codes * (amax / 127)).view(b, kp)[:, :k]  # (b, k)
+
+
+@pytest.mark.parametrize("n,k", [(301, 577), (96, 1000), (5, 40), (64, 32)])
 def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
+    """Integer dot products: equal to float arithmetic on the dequantized weight and the block-quantized input,
+    close to it on the float input, and a row's result is the same alone or in any batch."""
     from shardlm.quant import quantize_int8
 
     g = torch.Generator().manual_seed(2)
     qw = quantize_int8(torch.randn(n, k, generator=g))  # codes padded to a multiple of 32 columns
     dequantized = qw.q[:, :k].float() * qw.scale.float()[:, None]  # (n, k)
-    x = torch.randn(8, k, generator=g)
+    x = torch.randn(16, k, generator=g)
+    x[3, :7] = 0  # a block that starts with zeros
     got = ext.gemv_int8(x, qw.q, qw.scale)
-    torch.testing.assert_close(got, x @ dequantized.T, atol=1e-4, rtol=1e-4)
-    assert torch.equal(ext.gemv_int8(x[:1], qw.q, qw.scale), got[:1])
+    torch.testing.assert_close(got, _blocks_of_32(x) @ dequantized.T, atol=1e-4, rtol=1e-4)
+    want = x @ dequantized.T
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()  # the input's own rounding, about 1/254 per value
+    alone = torch.cat([ext.gemv_int8(x[j:j + 1], qw.q, qw.scale) for j in range(16)])
+    for b in (2, 3, 5, 16):
+        assert torch.equal(ext.gemv_int8(x[:b], qw.q, qw.scale), alone[:b]), b
     qw.gemv = ext  # the module path: few rows through the kernel, more through torch's int8 matmul
     torch.testing.assert_close(qw.matmul_t(x[:2]), got[:2])
     many = torch.randn(40, k, generator=g)
     want = many @ dequantized.T
     assert (qw.matmul_t(many) - want).abs().max() <= 1e-2 * want.abs().max()  # torch's kernel: bf16 activations
+
+
+def test_int8_kernel_names_its_instructions_and_refuses_a_bad_width(ext):
+    assert ext.int8_units() in ("avx-vnni", "avx512-vnni", "avx2", "scalar")
+    flags = open("/proc/cpuinfo").read()
+    if " avx2 " in flags and " avx_vnni " not in flags and " avx512_vnni " not in flags:
+        assert ext.int8_units() == "avx2"
+    with pytest.raises(RuntimeError, match="k rounded up to 32"):
+        ext.gemv_int8(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
+
+
+@pytest.mark.parametrize("n,k,start", [(301, 577, 0), (96, 1000, 13), (5, 40, 31), (64, 32, 0)])
+def test_int4_gemm_equals_the_dequantized_weight(n, k, start, ext):
+    """Our int4 layout and loop, for slices that start inside a group (a row-parallel rank's columns): equal to
+    float arithmetic on the dequantized weight and the block-quantized input, for decode and prefill row counts,
+    a row the same alone or in any batch, and the no-kernel fallback equal to the dequantized weight."""
+    from shardlm.quant import quantize_int4
+
+    g = torch.Generator().manual_seed(4)
+    qw = quantize_int4(torch.randn(n, k, generator=g), start, start + k + 7)
+    assert qw.pad_left == start % 32 and qw.packed.shape == (n, (qw.pad_left + k + qw.pad_right) // 2)
+    dequantized = qw.dequantized()  # (n, k)
+    x = torch.randn(40, k, generator=g)
+    padded = F.pad(x, (qw.pad_left, qw.pad_right))  # the kernel quantizes the input where the groups fall
+    seen = _blocks_of_32(padded)[:, qw.pad_left:qw.pad_left + k]
+    got = ext.gemm_int4(x, qw.packed, qw.scales_zeros, qw.pad_left)
+    torch.testing.assert_close(got, seen @ dequantized.T, atol=1e-4, rtol=1e-4)
+    want = x @ dequantized.T
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    alone = torch.cat([ext.gemm_int4(x[j:j + 1], qw.packed, qw.scales_zeros, qw.pad_left) for j in range(16)])
+    for b in (2, 3, 16):
+        assert torch.equal(ext.gemm_int4(x[:b], qw.packed, qw.scales_zeros, qw.pad_left), alone[:b]), b
+    torch.testing.assert_close(qw.matmul_t(x), want, atol=1e-4, rtol=1e-4)  # no kernels: dequantized, float
+    qw.gemv = ext
+    assert torch.equal(qw.matmul_t(x[:3]), got[:3])
+    with pytest.raises(RuntimeError, match="do not fit codes"):
+        ext.gemm_int4(torch.randn(1, k + 64), qw.packed, qw.scales_zeros, qw.pad_left)
+
+
+def test_int4_dequantized_matches_the_codes():
+    """The CPU layout unpacks to the codes it was packed from: W = (q - 8) * scale + zero."""
+    from shardlm.quant import int4_codes, pack_int4
+
+    w = torch.randn(7, 70, generator=torch.Generator().manual_seed(5))
+    q, scale, zero, left, right = int4_codes(w, start=20, total=100)
+    qw = pack_int4(q, scale, zero, 32, left, right)
+    sz = qw.scales_zeros.float()  # (7, groups, 2), rounded to bfloat16 as stored
+    want = ((q.float().view(7, -1, 32) - 8) * sz[..., :1] + sz[..., 1:]).view(7, -1)[:, left:left + 70]
+    assert torch.equal(qw.dequantized(), want)
+    assert (qw.dequantized() - w).abs().max() <= (scale.max() / 2) * 1.05  # half a step, bfloat16 scales
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("parts", [2, 3, 5])
+def test_quantized_partial_sums_add_up_to_the_whole_bit_for_bit(kind, parts, ext):
+    """A row-parallel split: each part's float64 sums (wide), added in float64 and rounded once, equal the
+    unsplit weight's result bit for bit, so quantized tokens do not depend on the tensor-parallel degree."""
+    from shardlm.quant import int8_codes, pack_int8, quantize_int4
+
+    g = torch.Generator().manual_seed(6)
+    n, k = 70, 32 * 18
+    w, x = torch.randn(n, k, generator=g), torch.randn(5, k, generator=g)
+    bounds = [round(i * k / parts / 32) * 32 for i in range(parts + 1)]  # head-aligned column ranges
+    if kind == "int8":
+        q, scale = int8_codes(w)  # one scale per full row, as row-parallel ranks agree on it
+        whole = ext.gemv_int8(x, *_int8_args(pack_int8(q, scale)))
+        wides = [ext.gemv_int8(x[:, a:b], *_int8_args(pack_int8(q[:, a:b], scale)), wide=True)
+                 for a, b in zip(bounds, bounds[1:])]
+    else:
+        full = quantize_int4(w)
+        whole = ext.gemm_int4(x, full.packed, full.scales_zeros, 0)
+        wides = []
+        for a, b in zip(bounds, bounds[1:]):
+            part = quantize_int4(w[:, a:b], a, k)
+            assert torch.equal(part.dequantized(), full.dequantized()[:, a:b])
+            wides.append(ext.gemm_int4(x[:, a:b], part.packed, part.scales_zeros, part.pad_left, wide=True))
+    assert all(p.dtype == torch.float64 for p in wides)
+    assert torch.equal(sum(wides).float(), whole)
+
+
+def _int8_args(qw):
+    return qw.q, qw.scale

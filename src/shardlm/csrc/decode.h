@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "qrows.h"
 #include "rows.h"
 
 namespace shardlm {
@@ -83,9 +84,8 @@ struct Segment {
 // Several matrices that read the same x (b, k), as one range of rows split across threads: each
 // thread streams its share of every matrix in one parallel region (one fork/join, not one per matrix).
 template <typename W>
-inline void gemv_segments(std::initializer_list<Segment<W>> segs, const float* x, int64_t k, int64_t b,
-                          int64_t ldw = 0) {
-  const std::vector<Segment<W>> s(segs);
+inline void gemv_segment_list(const std::vector<Segment<W>>& s, const float* x, int64_t k, int64_t b,
+                              int64_t ldw = 0) {
   int64_t total = 0;
   for (const auto& g : s) total += g.n;
   at::parallel_for(0, total, 16, [&](int64_t lo, int64_t hi) {
@@ -98,10 +98,138 @@ inline void gemv_segments(std::initializer_list<Segment<W>> segs, const float* x
   });
 }
 
-// y (b, n) += bias (n) where there is one, then += res (b, n) where there is one.
+template <typename W>
+inline void gemv_segments(std::initializer_list<Segment<W>> segs, const float* x, int64_t k, int64_t b,
+                          int64_t ldw = 0) {
+  gemv_segment_list<W>(std::vector<Segment<W>>(segs), x, k, b, ldw);
+}
+
+// A linear weight as the fused kernels take it: codes (n, k) in the model's dtype; int8 codes (n, kp) whose rows
+// are padded with zero columns to kp = k rounded up to QBLOCK, with a float32 scale per row; or int4 codes
+// (n, kp / 2) with bfloat16 (scale, zero) pairs per group (n, kp / 32, 2), whose k input columns start at
+// column pad_left of kp (a row-parallel slice that starts inside a group).
+struct Linear {
+  torch::Tensor w;
+  torch::Tensor scale;  // undefined for a float weight; (n,) float32 for int8; (n, groups, 2) bfloat16 for int4
+  int64_t pad_left = 0;
+
+  bool quantized() const { return scale.defined(); }
+  bool int4() const { return quantized() && w.scalar_type() == torch::kByte; }
+  int64_t padded_width() const { return int4() ? w.size(1) * 2 : w.size(1); }
+};
+
+// The weight `i` of `ws`, with its scales and left padding when `scales` are given (int8 or int4 weights).
+inline Linear linear_of(const std::vector<torch::Tensor>& ws, const std::optional<std::vector<torch::Tensor>>& scales,
+                        const std::optional<std::vector<int64_t>>& pads, size_t i) {
+  TORCH_CHECK(!scales.has_value() || scales->size() == ws.size(), "fused decode: ", ws.size(), " weights but ",
+              scales->size(), " scales");
+  TORCH_CHECK(!pads.has_value() || pads->size() == ws.size(), "fused decode: ", ws.size(), " weights but ",
+              pads->size(), " paddings");
+  if (!scales.has_value()) return {ws[i], torch::Tensor(), 0};
+  const torch::Tensor& s = (*scales)[i];
+  const auto scale = ws[i].scalar_type() == torch::kChar ? s.to(torch::kFloat).contiguous() : s;
+  return {ws[i], scale, pads.has_value() ? (*pads)[i] : 0};
+}
+
+// Check a weight that maps k inputs to n outputs, stored as the model's dtype, int8 or int4 (see Linear).
+inline void check_linear(const Linear& l, c10::ScalarType dtype, const char* name, int64_t n, int64_t k) {
+  if (!l.quantized()) {
+    check(l.w, dtype, name);
+    TORCH_CHECK(l.w.dim() == 2 && l.w.size(0) == n && l.w.size(1) == k, "fused decode: ", name, " is ", l.w.sizes(),
+                ", expected (", n, ", ", k, ")");
+    return;
+  }
+  const int64_t kp = (l.pad_left + k + QBLOCK - 1) / QBLOCK * QBLOCK;
+  if (l.int4()) {
+    check(l.w, torch::kByte, name);
+    check(l.scale, torch::kBFloat16, "int4 scales");
+    TORCH_CHECK(l.w.dim() == 2 && l.w.size(0) == n && l.w.size(1) * 2 == kp && l.scale.dim() == 3 &&
+                    l.scale.size(0) == n && l.scale.size(1) == kp / QBLOCK && l.scale.size(2) == 2,
+                "fused decode: int4 ", name, " is ", l.w.sizes(), " with scales ", l.scale.sizes(), ", expected (", n,
+                ", ", kp / 2, ") and (", n, ", ", kp / QBLOCK, ", 2)");
+    return;
+  }
+  check(l.w, torch::kChar, name);
+  TORCH_CHECK(l.pad_left == 0 && l.w.dim() == 2 && l.w.size(0) == n && l.w.size(1) == kp && l.scale.numel() == n,
+              "fused decode: int8 ", name, " is ", l.w.sizes(), " with ", l.scale.numel(), " scales, expected (", n,
+              ", ", kp, ") and ", n);
+}
+
+// x (b, k) placed at columns [pad_left, pad_left + k) of kp zero columns, quantized in blocks of QBLOCK.
+inline void quantize_padded(const float* x, int64_t b, int64_t k, int64_t pad_left, int64_t kp, QuantRows& out) {
+  if (pad_left == 0) {
+    quantize_rows(x, b, k, kp, out);
+    return;
+  }
+  std::vector<float> padded(b * kp, 0.f);
+  for (int64_t j = 0; j < b; ++j) std::copy(x + j * k, x + (j + 1) * k, padded.data() + j * kp + pad_left);
+  quantize_rows(padded.data(), b, kp, kp, out);
+}
+
+// ys[i] (b, n_i) = x (b, k) @ weight_i^T for int8 or int4 weights of one padded width that read the same x, in
+// one parallel region (x quantized once, for all); T = double keeps a row-parallel rank's partial sums unrounded.
+template <typename T>
+inline void project_quantized(const std::vector<std::pair<const Linear*, T*>>& o, const float* x, int64_t k, int64_t b) {
+  const Linear& first = *o[0].first;
+  for (auto [l, y] : o)
+    TORCH_CHECK(l->quantized() && l->int4() == first.int4() && l->pad_left == first.pad_left &&
+                    l->padded_width() == first.padded_width(), "fused decode: weights read together differ in form");
+  QuantRows xq;
+  quantize_padded(x, b, k, first.pad_left, first.padded_width(), xq);
+  int64_t total = 0;
+  for (auto [l, y] : o) total += l->w.size(0);
+  at::parallel_for(0, total, 16, [&](int64_t lo, int64_t hi) {
+    int64_t start = 0;
+    for (auto [l, y] : o) {
+      const int64_t n = l->w.size(0), a = std::max(lo, start), e = std::min(hi, start + n);
+      if (a < e && l->int4())
+        q4rows<T>(data<uint8_t>(l->w), data<uint16_t>(l->scale), xq, y, n, b, a - start, e - start);
+      else if (a < e)
+        qrows<T>(data<int8_t>(l->w), xq.kp, data<float>(l->scale), xq, y, n, b, a - start, e - start);
+      start += n;
+    }
+  });
+}
+
+// ys[i] (b, n_i) = x (b, k) @ weight_i^T for weights that read the same x, in one parallel region: all float
+// (the model's dtype W), or all quantized (project_quantized).
+template <typename W>
+inline void project(std::initializer_list<std::pair<const Linear*, float*>> outs, const float* x, int64_t k,
+                    int64_t b) {
+  const std::vector<std::pair<const Linear*, float*>> o(outs);
+  if (o[0].first->quantized()) {
+    project_quantized<float>(o, x, k, b);
+    return;
+  }
+  std::vector<Segment<W>> segs;
+  for (auto [l, y] : o) segs.push_back({data<W>(l->w), y, l->w.size(0)});
+  gemv_segment_list<W>(segs, x, k, b);
+}
+
+// The output projection of a half block: x (b, k) @ w^T as (b, n) float32 for the caller to finish; for a
+// quantized row-parallel weight (finish false), the partial sums in float64 for a float64 all-reduce.
+template <typename W>
+inline torch::Tensor output_projection(const Linear& w, const float* x, int64_t k, int64_t b, bool finish,
+                                       const torch::TensorOptions& opts) {
+  const int64_t n = w.w.size(0);
+  if (w.quantized() && !finish) {
+    auto partial = torch::empty({b, n}, opts.dtype(torch::kDouble));
+    project_quantized<double>({{&w, partial.data_ptr<double>()}}, x, k, b);
+    return partial;
+  }
+  auto out = torch::empty({b, n}, opts);
+  project<W>({{&w, out.data_ptr<float>()}}, x, k, b);
+  return out;
+}
+
+// y (b, n) += res (b, n) where there is one, then += bias (n) where there is one: the order in which a
+// tensor-parallel caller adds them after its all-reduce (fused.py's _finish), so one rank rounds alike.
 inline void add_rows(float* y, const float* bias, const float* res, int64_t b, int64_t n) {
   for (int64_t j = 0; j < b; ++j)
-    for (int64_t i = 0; i < n; ++i) y[j * n + i] += (bias ? bias[i] : 0.f) + (res ? res[j * n + i] : 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      if (res) y[j * n + i] += res[j * n + i];
+      if (bias) y[j * n + i] += bias[i];
+    }
 }
 
 // Attention half of a block for one new token per row.
@@ -113,28 +241,33 @@ inline void add_rows(float* y, const float* bias, const float* res, int64_t b, i
 //   reads; mask (b, t) bool: the keys each row may attend, t = the largest position + 1 (its own
 //   position always set; a row's keys past its position are masked, so they cost nothing);
 //   wo (dim, hq*hd): the o projection (this rank's input columns under tensor parallelism).
-// Weights, norm weights, biases, rotary tables and the cache are all float32 or all bfloat16 (the
-// model's dtype); the arithmetic is float32 throughout and the cache and the result are stored in
-// the model's dtype.
-// Returns heads @ wo^T (b, dim). With `finish` (one rank: nothing to all-reduce) the o bias `bo`
-// and the input x are added, giving the block's residual stream after attention; otherwise the
-// caller all-reduces the partial sums and adds them.
+// Norm weights, biases, rotary tables and the cache are all float32 or all bfloat16 (the model's dtype);
+// the four weights are in that dtype too, or all int8 or all int4 (see Linear; their input is then quantized
+// per block, qrows.h). The arithmetic is float32 throughout and the cache and the result are
+// stored in the model's dtype.
+// Returns heads @ wo^T (b, dim). With `finish` (one rank: nothing to all-reduce) the input x and the o bias
+// `bo` are added, giving the block's residual stream after attention; otherwise the caller all-reduces the
+// partial sums (float64 for quantized weights, so that they add up as one rank's sum does) and adds them.
 template <typename W>
-torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wq, torch::Tensor wk,
-                            torch::Tensor wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
+torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, const Linear& wq, const Linear& wk,
+                            const Linear& wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
                             std::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor kc, torch::Tensor vc, torch::Tensor rows, torch::Tensor positions,
-                            torch::Tensor kv_map, torch::Tensor mask, torch::Tensor wo, std::optional<torch::Tensor> bo,
+                            torch::Tensor kv_map, torch::Tensor mask, const Linear& wo, std::optional<torch::Tensor> bo,
                             bool finish) {
   const auto dtype = dtype_of<W>();
-  for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}, {&wq, "q weight"}, {&wk, "k weight"},
-                         {&wv, "v weight"}, {&cos, "cos"}, {&sin, "sin"}, {&kc, "key cache"}, {&vc, "value cache"},
-                         {&wo, "o weight"}})
+  for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}, {&cos, "cos"}, {&sin, "sin"}, {&kc, "key cache"},
+                         {&vc, "value cache"}})
     check(*t, dtype, name);
   const int64_t b = x.size(0), dim = x.size(1), hd = kc.size(3), hkv = kc.size(1), max_len = kc.size(2);
-  const int64_t nq = wq.size(0), nk = wk.size(0), hq = nq / hd, slots = kc.size(0);
-  TORCH_CHECK(wq.size(1) == dim && wk.size(1) == dim && wv.size(1) == dim && nk == hkv * hd && wv.size(0) == nk &&
-                  nq % hd == 0 && vc.sizes() == kc.sizes() && cos.size(0) == b && cos.size(1) == hd,
+  const int64_t nq = wq.w.size(0), nk = hkv * hd, hq = nq / hd, slots = kc.size(0);
+  check_linear(wq, dtype, "q weight", nq, dim);
+  check_linear(wk, dtype, "k weight", nk, dim);
+  check_linear(wv, dtype, "v weight", nk, dim);
+  check_linear(wo, dtype, "o weight", dim, nq);
+  TORCH_CHECK(wk.quantized() == wq.quantized() && wv.quantized() == wq.quantized() && wo.quantized() == wq.quantized(),
+              "fused decode: the attention weights are all quantized or none");
+  TORCH_CHECK(nq % hd == 0 && vc.sizes() == kc.sizes() && cos.size(0) == b && cos.size(1) == hd,
               "fused decode: inconsistent attention shapes");
   TORCH_CHECK(rows.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong && rows.numel() == b &&
                   positions.numel() == b && rows.is_contiguous() && positions.is_contiguous(),
@@ -149,8 +282,6 @@ torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch
   for (int64_t j = 0; j < b; ++j)
     TORCH_CHECK(row_of[j] >= 0 && row_of[j] < slots && pos_of[j] >= 0 && pos_of[j] < t, "fused decode: row ", j,
                 " writes slot ", row_of[j], " position ", pos_of[j], " outside ", slots, " slots x ", t, " positions");
-  TORCH_CHECK(wo.size(0) == dim && wo.size(1) == nq, "fused decode: o weight is ", wo.sizes(), ", expected (", dim,
-              ", ", nq, ")");
   const auto bo32 = finish ? bias_f32(bo, dim, "o bias") : torch::Tensor();
   const auto bq32 = bias_f32(bq, nq, "q bias"), bk32 = bias_f32(bk, nk, "k bias"), bv32 = bias_f32(bv, nk, "v bias");
   const auto x32 = f32(x), cos32 = f32(cos), sin32 = f32(sin);
@@ -163,7 +294,7 @@ torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch
   auto v = torch::empty({b, nk}, opts);
   const float* xp = xn.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  gemv_segments<W>({{data<W>(wq), qp, nq}, {data<W>(wk), kp, nk}, {data<W>(wv), vp, nk}}, xp, dim, b);
+  project<W>({{&wq, qp}, {&wk, kp}, {&wv, vp}}, xp, dim, b);
   add_rows(qp, ptr_or_null(bq32), nullptr, b, nq);
   add_rows(kp, ptr_or_null(bk32), nullptr, b, nk);
   add_rows(vp, ptr_or_null(bv32), nullptr, b, nk);
@@ -215,9 +346,9 @@ torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch
       }
     }
   });
-  auto out = torch::empty({b, dim}, opts);
-  gemv_segments<W>({{data<W>(wo), out.data_ptr<float>(), dim}}, op, nq, b);
-  if (finish) add_rows(out.data_ptr<float>(), ptr_or_null(bo32), x32.data_ptr<float>(), b, dim);
+  auto out = output_projection<W>(wo, op, nq, b, finish, opts);
+  if (out.scalar_type() == torch::kDouble) return out;  // quantized partial sums: all-reduced in float64
+  if (finish) add_rows(mutable_data<float>(out), ptr_or_null(bo32), x32.data_ptr<float>(), b, dim);
   return out.to(dtype);
 }
 
@@ -226,15 +357,16 @@ torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch
 //   projection (this rank's input columns under tensor parallelism). With `finish` the down bias
 //   `bd` and x are added (one rank); otherwise the caller all-reduces the partial sums.
 template <typename W>
-torch::Tensor mlp_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wg, torch::Tensor wu,
-                           std::optional<torch::Tensor> bg, std::optional<torch::Tensor> bu, torch::Tensor wd,
+torch::Tensor mlp_decode_t(torch::Tensor x, torch::Tensor ln, double eps, const Linear& wg, const Linear& wu,
+                           std::optional<torch::Tensor> bg, std::optional<torch::Tensor> bu, const Linear& wd,
                            std::optional<torch::Tensor> bd, bool finish) {
-  for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}, {&wg, "gate weight"}, {&wu, "up weight"},
-                         {&wd, "down weight"}})
-    check(*t, dtype_of<W>(), name);
-  const int64_t b = x.size(0), dim = x.size(1), n = wg.size(0);
-  TORCH_CHECK(wg.size(1) == dim && wu.sizes() == wg.sizes() && wd.size(0) == dim && wd.size(1) == n,
-              "fused decode: inconsistent MLP shapes");
+  for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}}) check(*t, dtype_of<W>(), name);
+  const int64_t b = x.size(0), dim = x.size(1), n = wg.w.size(0);
+  check_linear(wg, dtype_of<W>(), "gate weight", n, dim);
+  check_linear(wu, dtype_of<W>(), "up weight", n, dim);
+  check_linear(wd, dtype_of<W>(), "down weight", dim, n);
+  TORCH_CHECK(wu.quantized() == wg.quantized() && wd.quantized() == wg.quantized(),
+              "fused decode: the MLP weights are all quantized or none");
   const auto bg32 = bias_f32(bg, n, "gate bias"), bu32 = bias_f32(bu, n, "up bias");
   const auto bd32 = finish ? bias_f32(bd, dim, "down bias") : torch::Tensor();
   const auto x32 = f32(x);
@@ -245,38 +377,48 @@ torch::Tensor mlp_decode_t(torch::Tensor x, torch::Tensor ln, double eps, torch:
   auto act = torch::empty({b, n}, opts);  // up(x), then silu(gate) * up in place
   float *gp = gate.data_ptr<float>(), *ap = act.data_ptr<float>();
   // gate and up as two whole-matrix segments: interleaving their rows streamed ~15 % slower (measured)
-  gemv_segments<W>({{data<W>(wg), gp, n}, {data<W>(wu), ap, n}}, xn.data_ptr<float>(), dim, b);
+  project<W>({{&wg, gp}, {&wu, ap}}, xn.data_ptr<float>(), dim, b);
   add_rows(gp, ptr_or_null(bg32), nullptr, b, n);
   add_rows(ap, ptr_or_null(bu32), nullptr, b, n);
   for (int64_t i = 0; i < b * n; ++i) ap[i] *= gp[i] / (1.f + std::exp(-gp[i]));  // silu(g) * u
-  auto out = torch::empty({b, dim}, opts);
-  gemv_segments<W>({{data<W>(wd), out.data_ptr<float>(), dim}}, ap, n, b);
-  if (finish) add_rows(out.data_ptr<float>(), ptr_or_null(bd32), x32.data_ptr<float>(), b, dim);
+  auto out = output_projection<W>(wd, ap, n, b, finish, opts);
+  if (out.scalar_type() == torch::kDouble) return out;  // quantized partial sums: all-reduced in float64
+  if (finish) add_rows(mutable_data<float>(out), ptr_or_null(bd32), x32.data_ptr<float>(), b, dim);
   return out.to(dtype_of<W>());
 }
 
-// Entry points: dispatch on the model's dtype (float32 or bfloat16 weights).
-inline bool float_weights(const torch::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16,
-              "fused decode: float32 or bfloat16 weights, got ", w.scalar_type());
-  return w.scalar_type() == torch::kFloat;
+// Entry points: dispatch on the model's dtype (x: float32 or bfloat16). The weights come as a list (q, k, v, o or
+// gate, up, down) in that dtype, or as int8 or int4 codes with `scales` (one tensor per weight) and, for int4,
+// `pads` (each weight's pad_left; see Linear).
+inline bool float_model(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
+              "fused decode: float32 or bfloat16 activations, got ", x.scalar_type());
+  return x.scalar_type() == torch::kFloat;
 }
 
-inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wq, torch::Tensor wk,
-                                 torch::Tensor wv, std::optional<torch::Tensor> bq, std::optional<torch::Tensor> bk,
-                                 std::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin,
-                                 torch::Tensor kc, torch::Tensor vc, torch::Tensor rows, torch::Tensor positions,
-                                 torch::Tensor kv_map, torch::Tensor mask, torch::Tensor wo,
-                                 std::optional<torch::Tensor> bo, bool finish) {
-  auto run = float_weights(wq) ? attn_decode_t<float> : attn_decode_t<uint16_t>;
-  return run(x, ln, eps, wq, wk, wv, bq, bk, bv, cos, sin, kc, vc, rows, positions, kv_map, mask, wo, bo, finish);
+inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, std::vector<torch::Tensor> weights,
+                                 std::optional<std::vector<torch::Tensor>> scales, std::optional<torch::Tensor> bq,
+                                 std::optional<torch::Tensor> bk, std::optional<torch::Tensor> bv, torch::Tensor cos,
+                                 torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor rows,
+                                 torch::Tensor positions, torch::Tensor kv_map, torch::Tensor mask,
+                                 std::optional<torch::Tensor> bo, bool finish,
+                                 std::optional<std::vector<int64_t>> pads) {
+  TORCH_CHECK(weights.size() == 4, "fused decode: attention takes 4 weights (q, k, v, o), got ", weights.size());
+  const Linear q = linear_of(weights, scales, pads, 0), k = linear_of(weights, scales, pads, 1),
+               v = linear_of(weights, scales, pads, 2), o = linear_of(weights, scales, pads, 3);
+  auto run = float_model(x) ? attn_decode_t<float> : attn_decode_t<uint16_t>;
+  return run(x, ln, eps, q, k, v, bq, bk, bv, cos, sin, kc, vc, rows, positions, kv_map, mask, o, bo, finish);
 }
 
-inline torch::Tensor mlp_decode(torch::Tensor x, torch::Tensor ln, double eps, torch::Tensor wg, torch::Tensor wu,
-                                std::optional<torch::Tensor> bg, std::optional<torch::Tensor> bu, torch::Tensor wd,
-                                std::optional<torch::Tensor> bd, bool finish) {
-  auto run = float_weights(wg) ? mlp_decode_t<float> : mlp_decode_t<uint16_t>;
-  return run(x, ln, eps, wg, wu, bg, bu, wd, bd, finish);
+inline torch::Tensor mlp_decode(torch::Tensor x, torch::Tensor ln, double eps, std::vector<torch::Tensor> weights,
+                                std::optional<std::vector<torch::Tensor>> scales, std::optional<torch::Tensor> bg,
+                                std::optional<torch::Tensor> bu, std::optional<torch::Tensor> bd, bool finish,
+                                std::optional<std::vector<int64_t>> pads) {
+  TORCH_CHECK(weights.size() == 3, "fused decode: the MLP takes 3 weights (gate, up, down), got ", weights.size());
+  const Linear g = linear_of(weights, scales, pads, 0), u = linear_of(weights, scales, pads, 1),
+               d = linear_of(weights, scales, pads, 2);
+  auto run = float_model(x) ? mlp_decode_t<float> : mlp_decode_t<uint16_t>;
+  return run(x, ln, eps, g, u, bg, bu, d, bd, finish);
 }
 
 }  // namespace shardlm

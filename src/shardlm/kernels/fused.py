@@ -3,7 +3,8 @@
 A block decoding one new token per row used to run ~45 small torch ops; at batch 1 their dispatch
 cost about as much as streaming the weights. When the compiled kernels are chosen ("gemv" mode),
 the model is float32 or bfloat16 on CPU and the block's seven linear weights are plain (not
-quantized, not oneDNN-packed), the rank builder installs a `FusedDecode` as the block's
+oneDNN-packed) or all int8 or all int4 (the kernels quantize each input row in blocks of 32 and use
+integer dot products, csrc/qrows.h), the rank builder installs a `FusedDecode` as the block's
 `decode_step`, and a decode step runs the block as two calls: the attention half (norm, q/k/v,
 rotary, cache write, attention, o projection) and the MLP half (norm, gate/up, SiLU gating, down
 projection). On one rank each call also adds the residual; under tensor parallelism the o and down
@@ -12,7 +13,7 @@ and the all-reduce, the bias and the residual follow here. Offloaded layers work
 weights are `PlainWeight`s the streamer fills around the block's forward, read here at each call.
 In bfloat16 the arithmetic inside each call is float32 and only the cache and each half's output
 are rounded to bfloat16 (the module path rounds after every op), so the two paths differ by
-bfloat16 rounding, not more. Everything else (prefill, float16, quantized weights, CUDA) takes the
+bfloat16 rounding, not more. Everything else (prefill, float16, CUDA) takes the
 module-by-module path, which is also the reference the fused path is tested against.
 """
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from shardlm.kernels.linear import GEMV_MAX_ROWS, weight_tensor
+from shardlm.quant import Int4Weight, Int8Weight
 
 DTYPES = (torch.float32, torch.bfloat16)
 """Model dtypes the fused step runs (arithmetic in float32; cache and outputs in the model's dtype)."""
@@ -32,15 +34,37 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
+def _weights(layer: nn.Module, dtype: torch.dtype) -> tuple[list, list | None, list | None] | None:
+    """The block's seven weights as the kernels take them: plain `dtype` tensors (scales and pads None); int8
+    codes with their row scales; or int4 codes with their (scale, zero) tables and left paddings. None when
+    they are in another form (packed, on CUDA, mixed) or a norm is not `dtype`."""
+    linears = _linears(layer)
+    if any(n.dtype != dtype for n in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)):
+        return None
+    plain = [weight_tensor(m) for m in linears]
+    if all(w is not None and w.dtype == dtype for w in plain):
+        return plain, None, None
+    codes = [m.kernel_weight for m in linears]
+    if all(isinstance(kw, Int8Weight) and kw.q.device.type == "cpu" for kw in codes):
+        return [kw.q for kw in codes], [kw.scale for kw in codes], None
+    if all(isinstance(kw, Int4Weight) and kw.packed.device.type == "cpu" for kw in codes):
+        return [kw.packed for kw in codes], [kw.scales_zeros for kw in codes], [kw.pad_left for kw in codes]
+    return None
+
+
 def plain_block(layer: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether every linear weight and norm of a block is a plain tensor of `dtype` (what the kernels read)."""
-    weights = [weight_tensor(m) for m in _linears(layer)]
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    return all(w is not None and w.dtype == dtype for w in weights) and all(n.dtype == dtype for n in norms)
+    """Whether the kernels can read every linear weight and norm of a block: plain tensors of `dtype`, or
+    int8 or int4 codes beside norms of `dtype`."""
+    return _weights(layer, dtype) is not None
 
 
 def _finish(x: torch.Tensor, partial: torch.Tensor, proj: nn.Module) -> torch.Tensor:
-    """x + all_reduce(partial) + bias, for a row-parallel projection's partial sums (b, dim)."""
+    """(all_reduce(partial) + x) + bias, for a row-parallel projection's partial sums (b, dim). Quantized weights'
+    sums come in float64 and are finished in float32 as the one-rank kernel finishes them (csrc/decode.h)."""
+    if partial.dtype == torch.float64:
+        y = proj.ctx.all_reduce(partial).float().add_(x.float())
+        y = y.add_(proj.bias.float()) if proj.bias is not None else y
+        return y.to(x.dtype)
     y = proj.ctx.all_reduce(partial).add_(x)
     return y.add_(proj.bias) if proj.bias is not None else y
 
@@ -71,20 +95,20 @@ class FusedDecode:
         b, _, dim = x.shape
         cache.check_room(1)
         q, k, v, o, gate, up, down = _linears(layer)
+        weights, scales, pads = _weights(layer, self.dtype)  # read at each call: a streamed layer's tensors change
         o_split = hasattr(o, "ctx")  # row-parallel: partial sums to all-reduce
         norm = layer.input_layernorm
         x = x.reshape(b, dim)
         kc, vc, rows, positions = cache.fused_target(attn.layer_id)  # the kernel writes row j at its position
-        h = self.ops.attn_decode(x, norm.weight, norm.eps, weight_tensor(q), weight_tensor(k), weight_tensor(v),
-                                 q.bias, k.bias, v.bias, cos.reshape(b, -1), sin.reshape(b, -1), kc, vc, rows,
-                                 positions, attn.kv_map, mask.reshape(b, -1), weight_tensor(o), o.bias,
-                                 not o_split)  # (b, dim)
+        h = self.ops.attn_decode(x, norm.weight, norm.eps, weights[:4], scales and scales[:4], q.bias, k.bias, v.bias,
+                                 cos.reshape(b, -1), sin.reshape(b, -1), kc, vc, rows, positions, attn.kv_map,
+                                 mask.reshape(b, -1), o.bias, not o_split, pads and pads[:4])  # (b, dim)
         if o_split:
             h = _finish(x, h, o)
         down_split = hasattr(down, "ctx")
         norm = layer.post_attention_layernorm
-        out = self.ops.mlp_decode(h, norm.weight, norm.eps, weight_tensor(gate), weight_tensor(up), gate.bias, up.bias,
-                                  weight_tensor(down), down.bias, not down_split)  # (b, dim)
+        out = self.ops.mlp_decode(h, norm.weight, norm.eps, weights[4:], scales and scales[4:], gate.bias, up.bias,
+                                  down.bias, not down_split, pads and pads[4:])  # (b, dim)
         if down_split:
             out = _finish(h, out, down)
         return out.view(b, 1, dim)

@@ -85,10 +85,12 @@ class LinearOps:
     """The compiled decode kernels, or None."""
 
 
-def local_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x @ W^T without bias for a linear module: through its kernel weight when it has one."""
-    if module.kernel_weight is not None:
-        return module.kernel_weight.matmul_t(x)
+def local_linear(module: nn.Module, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    """x @ W^T without bias for a linear module: through its kernel weight when it has one. `wide` asks a
+    quantized weight for float64 sums (others ignore it)."""
+    kw = module.kernel_weight
+    if kw is not None:
+        return kw.matmul_t(x, wide=True) if wide and getattr(kw, "wide_sums", False) else kw.matmul_t(x)
     return matmul_t(x, module.weight, module.gemv)
 
 

@@ -30,7 +30,7 @@ import torch
 _LINE = 64  # bytes per header line and slot alignment
 _FIELDS = _LINE // 8  # int64 fields per header line
 _SPIN = 16  # busy polls (~0.1 us each) before sched_yield; more only costs when ranks share a core
-_REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
+_REDUCIBLE = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _attach(name: str, size: int, timeout_s: float) -> mmap.mmap:
@@ -187,7 +187,7 @@ class ShmCollectives:
                                    f"(dead or stuck peer?)")
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over all ranks in place and return it (float32/bfloat16/float16, CPU).
+        """Sum `t` over all ranks in place and return it (float32/float64/bfloat16/float16, CPU).
 
         Every rank adds the slots in rank order 0..world-1, in float32 for reduced-precision dtypes,
         so every rank ends with bitwise-identical values.
@@ -202,7 +202,7 @@ class ShmCollectives:
         if self.world == 1:
             return t
         slots = [self._slot(p, parity, t.dtype, t.shape) for p in range(self.world)]
-        if t.dtype == torch.float32:
+        if t.dtype in (torch.float32, torch.float64):
             torch.add(slots[0], slots[1], out=t)
             for s in slots[2:]:
                 t.add_(s)

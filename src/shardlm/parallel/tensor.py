@@ -43,8 +43,11 @@ class RowParallelLinear(LinearOps, nn.Module):
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in_local) -> (..., out_features), identical on every rank."""
-        y = self.ctx.all_reduce(local_linear(self, x))
+        """x (..., in_local) -> (..., out_features), identical on every rank. A quantized weight's partial sums
+        come and are all-reduced in float64, then rounded once: what one rank's kernel rounds (shardlm.quant)."""
+        y = self.ctx.all_reduce(local_linear(self, x, wide=True))
+        if y.dtype != x.dtype:
+            y = y.float().to(x.dtype)  # as the one-rank kernel: double -> float32 -> the model's dtype
         return y + self.bias if self.bias is not None else y
 
 

@@ -17,17 +17,19 @@ from shardlm.quant_spec import linear_bytes
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def tensor_bytes(t: TensorInfo, shape: tuple[int, ...], dtype: str, quant: str, col_start: int = 0) -> int:
+def tensor_bytes(t: TensorInfo, shape: tuple[int, ...], dtype: str, quant: str, col_start: int = 0,
+                 device_kind: str = "cpu") -> int:
     """Bytes of (a slice of) tensor `t` with `shape`, held in `dtype` or quantized.
 
     Weight-only quantization touches linear weights only, in the runtime's in-memory format with its
     padding (`quant_spec.linear_bytes`: int8 with a scale per output row; int4 packed two per byte
     with a scale and a zero point per group of input columns). `col_start` is the slice's first
-    column in the full weight. Embeddings, norms, biases and routers stay in `dtype`.
+    column in the full weight; `device_kind` ("cpu", "cuda") picks the kernel's layout. Embeddings, norms,
+    biases and routers stay in `dtype`.
     """
     if quant == "none" or not t.linear or len(shape) != 2:
         return math.prod(shape) * DTYPE_BYTES[dtype]
-    return linear_bytes(shape[0], shape[1], quant, col_start)
+    return linear_bytes(shape[0], shape[1], quant, col_start, device_kind)
 
 
 @dataclass(frozen=True)
@@ -64,16 +66,18 @@ def _sliced(t: TensorInfo, plan: dict[str, Style], coord: ShardCoord) -> tuple[i
     return tuple(s.stop - s.start for s in param_slices(t.name, t.shape, plan, coord))
 
 
-def _slice_bytes(t: TensorInfo, plan: dict[str, Style], coord: ShardCoord, dtype: str, quant: str) -> int:
+def _slice_bytes(t: TensorInfo, plan: dict[str, Style], coord: ShardCoord, dtype: str, quant: str,
+                 device_kind: str) -> int:
     """Bytes of the slice of `t` rank `coord` holds (quantized with its own column offset)."""
     slices = param_slices(t.name, t.shape, plan, coord)
     shape = tuple(s.stop - s.start for s in slices)
-    return tensor_bytes(t, shape, dtype, quant, slices[-1].start if len(slices) == 2 else 0)
+    return tensor_bytes(t, shape, dtype, quant, slices[-1].start if len(slices) == 2 else 0, device_kind)
 
 
 def shard_weights(args: ModelArgs, plan: dict[str, Style], tp: int, tp_rank: int, dtype: str,
-                  quant: str) -> ShardWeights:
-    """Weight bytes of rank `tp_rank` of `tp`, from the family's TP plan (replicated parts included)."""
+                  quant: str, device_kind: str = "cpu") -> ShardWeights:
+    """Weight bytes of rank `tp_rank` of `tp` on a `device_kind` device ("cpu", "cuda": the quantized layouts
+    differ), from the family's TP plan (replicated parts included)."""
     coord = ShardCoord.for_model(args, tp_rank, tp)
     layer = layer_tensors(args, 0)
     shapes = {t.name: _sliced(t, plan, coord) for t in layer}
@@ -84,15 +88,15 @@ def shard_weights(args: ModelArgs, plan: dict[str, Style], tp: int, tp_rank: int
     head_shape = _sliced(head or emb, plan, coord)  # a tied head is the embedding's vocabulary slice
     return ShardWeights(
         embed=emb_b,
-        layer=sum(_slice_bytes(t, plan, coord, dtype, quant) for t in layer),
+        layer=sum(_slice_bytes(t, plan, coord, dtype, quant, device_kind) for t in layer),
         final_norm=tensor_bytes(others["norm"], others["norm"].shape, dtype, "none"),
-        head=tensor_bytes(head, head_shape, dtype, quant) if head else emb_b,
+        head=tensor_bytes(head, head_shape, dtype, quant, device_kind=device_kind) if head else emb_b,
         tied=head is None,
         layer_params=sum(math.prod(shapes[t.name]) for t in layer if t.part != "experts")
         + _active_expert_params(args, layer, shapes),
         head_params=math.prod(head_shape),
-        experts=sum(_slice_bytes(t, plan, coord, dtype, quant) for t in layer if t.part == "experts"),
-        layer_fixed=sum(_slice_bytes(t, plan, coord, dtype, quant) for t in layer if not t.linear),
+        experts=sum(_slice_bytes(t, plan, coord, dtype, quant, device_kind) for t in layer if t.part == "experts"),
+        layer_fixed=sum(_slice_bytes(t, plan, coord, dtype, quant, device_kind) for t in layer if not t.linear),
     )
 
 

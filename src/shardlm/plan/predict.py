@@ -62,8 +62,11 @@ def predict(st: Setting, layout: ParallelLayout) -> Predictions:
     if missing:
         raise ValueError(f"device(s) {', '.join(missing)} are not in the cluster {st.cluster.describe()}; "
                          f"use addresses from 0:0 to {st.cluster.devices[-1].address}")
-    shards = {r: mem.shard_weights(st.args, st.tp_plan, layout.tp, r, st.dtype, st.quant) for r in range(layout.tp)}
-    memory = tuple(_rank_memory(st, layout, c, shards[c.tp_rank], devs[c.device]) for c in layout.coords())
+    kinds = {devs[c.device].spec.kind for c in layout.coords()}
+    shards = {(r, k): mem.shard_weights(st.args, st.tp_plan, layout.tp, r, st.dtype, st.quant, k)
+              for r in range(layout.tp) for k in kinds}
+    memory = tuple(_rank_memory(st, layout, c, shards[c.tp_rank, devs[c.device].spec.kind], devs[c.device])
+                   for c in layout.coords())
     m = st.micro_batches or (min(st.kv.max_batch, layout.pp) if layout.pp > 1 else 1)
     perf = _performance(st, layout, shards, devs, m)
     return Predictions(memory, perf, tuple(assumptions(st, layout, devs)))
@@ -168,7 +171,7 @@ def _stage_times(st, layout, shards, devs, m, batch, tokens, context) -> list[di
         for r in range(layout.tp):
             dev = devs[layout.devices[0][s][r]]
             rate = _rate(dev, active.get((dev.node, s), 1), st.cluster, not graphs_apply(st, layout))
-            t = stage_time(_work(st, layout, s, r, shards[r], batch, tokens, context), rate, layout.tp,
+            t = stage_time(_work(st, layout, s, r, shards[r, dev.spec.kind], batch, tokens, context), rate, layout.tp,
                            dev.spec.link_latency, dev.spec.link_bandwidth, offload_bandwidth(st.offload.tier, dev))
             worst = t if worst is None or t["total"] > worst["total"] else worst
         out.append(worst)

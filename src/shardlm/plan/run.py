@@ -125,7 +125,7 @@ def budget_offload(flags: RunFlags, family: Family, args: ModelArgs, stages: tup
     tp, quant = flags.tp_degree, flags.quantization
     counts, vocab = [], []
     for s, (a, b) in enumerate(stages):
-        fits = [fit_budget(shard_weights(args, family.tp_plan, tp, r, flags.dtype, quant), b - a, s == 0,
+        fits = [fit_budget(shard_weights(args, family.tp_plan, tp, r, flags.dtype, quant, flags.device), b - a, s == 0,
                            s == len(stages) - 1, flags.memory_budget, flags.prefetch, quant != "none",
                            vocab_ok=flags.device == "cpu") for r in range(tp)]
         counts.append(max(f.streamed for f in fits))

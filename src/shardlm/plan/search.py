@@ -107,7 +107,7 @@ def _layer_caps(req: Request, stages: list[TPGroup], devs: dict[str, Device], qu
         first, last = s == 0, s == len(stages) - 1
         cap, t_layer, t_fixed = 10**9, 0.0, 0.0
         for r in range(tp):
-            w = mem.shard_weights(a, req.tp_plan, tp, r, req.dtype, quant)
+            w = mem.shard_weights(a, req.tp_plan, tp, r, req.dtype, quant, spec.kind)
             kv_layer = mem.kv_bytes(a, tp, r, 1, kv.max_batch, kv.max_seq_len, req.dtype)
             act = mem.activation_bytes(a, tp, r, kv.max_batch, kv.prefill_chunk, kv.prefill_chunk, req.dtype, last)
             room = _budget(spec) - act - mem.stage_weight_bytes(w, 0, first, last)
@@ -168,7 +168,7 @@ def _with_offload(req: Request, layout: ParallelLayout, quant: str) -> Candidate
     kinds = {d.address: d.spec.kind for d in req.cluster.devices}
     on_cpu = all(kinds[c.device] == "cpu" for c in layout.coords())
     tier = "disk" if on_cpu else "cpu"  # a GPU streams from host RAM; CPU ranks stream from disk
-    w = mem.shard_weights(req.args, req.tp_plan, layout.tp, 0, req.dtype, quant)
+    w = mem.shard_weights(req.args, req.tp_plan, layout.tp, 0, req.dtype, quant, "cpu" if on_cpu else "cuda")
     base = _evaluate(req, layout, quant, Offload())
     n_off = min(req.args.n_layers, math.ceil(base.overflow / max(w.layer, 1)) + 2)
     if n_off >= req.args.n_layers:
