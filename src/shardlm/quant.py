@@ -1,14 +1,15 @@
 """Weight-only quantization of linear layers: int8 per output channel, int4 in groups along the input.
 
-Kernels. On the CPU, our own (csrc/qrows.h, through the compiled kernels): each input row is quantized to
-int8 in blocks of 32 and meets the int8 or int4 codes in the CPU's byte dot-product units, so codes are
-never widened to float; int8 runs there for decode batches (few rows) and int4 for every product, its codes
-stored in that kernel's layout (`pack_int4`). Larger int8 inputs go through PyTorch's
-`aten._weight_int8pack_mm` (bfloat16 activations). On CUDA, PyTorch's `_weight_int8pack_mm` and the
-tinygemm int4 kernel `aten._weight_int4pack_mm` (sm80 and later), the ones torchao's weight-only layouts
-dispatch to. We call them directly rather than through torchao: torchao 0.18's int4 weight-only has no CPU
-layout (its plain format needs a CUDA-only library, plain_int32 refuses CPU tensors; tried on this machine),
-and importing it tries to load its CUDA extensions.
+Kernels. On the CPU, our own (csrc/qrows.h, through the compiled kernels) for every product, decode and
+prefill: each input row is quantized to int16 in blocks of 32 and meets the int8 or int4 codes in the CPU's
+integer units, so codes are never widened to float; int4 codes are stored in that kernel's layout
+(`pack_int4`). The o and down projections (`exact`) sum in double so that tensor-parallel partial sums add up
+to the one-rank result bit for bit. Without the compiled kernels, int8 goes through PyTorch's
+`aten._weight_int8pack_mm` (bfloat16 activations) and int4 is dequantized per product. On CUDA, PyTorch's
+`_weight_int8pack_mm` and the tinygemm int4 kernel `aten._weight_int4pack_mm` (sm80 and later), the ones
+torchao's weight-only layouts dispatch to. We call them directly rather than through torchao: torchao 0.18's
+int4 weight-only has no CPU layout (its plain format needs a CUDA-only library, plain_int32 refuses CPU
+tensors; tried on this machine), and importing it tries to load its CUDA extensions.
 
 Quantization parameters are those of the *unsharded* tensor whatever the TP degree:
 - int8: scale_o = max_i |W[o, i]| / 127 over the whole row. Column-parallel ranks hold whole
@@ -59,13 +60,16 @@ class Int8Weight:
     gemv: object = None
     """The compiled kernels (set by the rank builder in "gemv" mode): every CPU product goes through their int8
     loop (integer dot products on block-quantized inputs, sums in double)."""
+    exact: bool = False
+    """A weight whose rows tensor parallelism splits by input column (o_proj, down_proj; set by the rank builder at
+    any tp): our kernel sums its rows in double, so that split sums add up to the whole bit for bit."""
     wide_sums = True
     """`matmul_t(x, wide=True)` can return float64 partial sums (see RowParallelLinear)."""
 
     def matmul_t(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         """x (..., in) -> (..., out) = x @ (q * scale)^T; `wide`: float64 when our kernel runs (else x's dtype)."""
         if self.gemv is not None and not x.is_cuda:
-            return self.gemv.gemv_int8(x, self.q, self.scale, wide)  # (..., out)
+            return self.gemv.gemv_int8(x, self.q, self.scale, self.exact, wide)  # (..., out)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
         if self.pad:
@@ -106,6 +110,8 @@ class Int4Weight:
     gemv: object = None
     """The compiled kernels (set by the rank builder in "gemv" mode): every CPU product goes through their int4
     loop; without them the weight is dequantized for each product (slow, but every kernel mode runs)."""
+    exact: bool = False
+    """Rows split by input column under tensor parallelism: summed in double (see Int8Weight.exact)."""
     wide_sums = True
     """`matmul_t(x, wide=True)` can return float64 partial sums (see RowParallelLinear)."""
 
@@ -113,7 +119,8 @@ class Int4Weight:
         """x (..., in) -> (..., out); `wide`: float64 when our kernel runs (else x's dtype)."""
         if not self.packed.is_cuda:
             if self.gemv is not None:
-                return self.gemv.gemm_int4(x, self.packed, self.scales_zeros, self.pad_left, wide)  # (..., out)
+                return self.gemv.gemm_int4(x, self.packed, self.scales_zeros, self.pad_left, self.exact,
+                                           wide)  # (..., out)
             return F.linear(x, self.dequantized().to(x.dtype))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)

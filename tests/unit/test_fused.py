@@ -115,6 +115,9 @@ def test_fused_decode_quantized(name, dtype, kind, random_dirs):
     exact, fed, _ = _decode_logits(f32, args, prompts, 12, use_fused=False)
     model, _ = _load(random_dirs[name], dtype=dtype, quantization=kind)
     assert model.kernels.fused_layers == args.n_layers, f"{kind} blocks should take the fused step"
+    weights = {n: m.kernel_weight for n, m in model.module.model.layers["0"].named_modules()
+               if hasattr(getattr(m, "kernel_weight", None), "exact")}
+    assert len(weights) == 7 and {n for n, w in weights.items() if w.exact} == {"self_attn.o_proj", "mlp.down_proj"}
     ref, _, _ = _decode_logits(model, args, prompts, 12, use_fused=False, tokens=fed, dtype=dtype)
     got, _, runs = _decode_logits(model, args, prompts, 12, use_fused=True, tokens=fed, dtype=dtype)
     assert runs == 12 * args.n_layers, "fused path not taken"

@@ -91,13 +91,14 @@ def test_gemv_rows_do_not_depend_on_the_batch_around_them(n, k, dtype, ext):
 
 
 def _blocks_of_32(x: torch.Tensor) -> torch.Tensor:
-    """x (b, k) as the int8 kernels see it: each block of 32 rounded to 255 levels of its own scale, max|x| / 127."""
+    """x (b, k) as the quantized kernels see it: each block of 32 rounded to int16 steps of its own scale,
+    max|x| / 32767."""
     b, k = x.shape
     kp = -(-k // 32) * 32
     blocks = F.pad(x, (0, kp - k)).view(b, kp // 32, 32)  # (b, blocks, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
-    codes = torch.where(amax > 0, torch.round(blocks * (127 / amax)), torch.zeros_like(blocks))
-    return (codes * (amax / 127)).view(b, kp)[:, :k]  # (b, k)
+    codes = torch.where(amax > 0, torch.round(blocks * (32767 / amax)), torch.zeros_like(blocks))
+    return (codes * (amax / 32767)).view(b, kp)[:, :k]  # (b, k)
 
 
 @pytest.mark.parametrize("n,k", [(301, 577), (96, 1000), (5, 40), (64, 32)])
@@ -112,9 +113,10 @@ def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
     x = torch.randn(16, k, generator=g)
     x[3, :7] = 0  # a block that starts with zeros
     got = ext.gemv_int8(x, qw.q, qw.scale)
-    torch.testing.assert_close(got, _blocks_of_32(x) @ dequantized.T, atol=1e-4, rtol=1e-4)
+    seen = _blocks_of_32(x) @ dequantized.T  # an input on a rounding tie may land one int16 step off: 1e-4
+    assert (got - seen).abs().max() <= 1e-4 * seen.abs().max()
     want = x @ dequantized.T
-    assert (got - want).abs().max() <= 2e-2 * want.abs().max()  # the input's own rounding, about 1/254 per value
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()  # the input's own rounding, 1/65534 of a block max
     alone = torch.cat([ext.gemv_int8(x[j:j + 1], qw.q, qw.scale) for j in range(16)])
     for b in (2, 3, 5, 16):
         assert torch.equal(ext.gemv_int8(x[:b], qw.q, qw.scale), alone[:b]), b
@@ -126,10 +128,7 @@ def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
 
 
 def test_int8_kernel_names_its_instructions_and_refuses_a_bad_width(ext):
-    assert ext.int8_units() in ("avx-vnni", "avx512-vnni", "avx2", "scalar")
-    flags = open("/proc/cpuinfo").read()
-    if " avx2 " in flags and " avx_vnni " not in flags and " avx512_vnni " not in flags:
-        assert ext.int8_units() == "avx2"
+    assert ext.int8_units() == ("avx2" if " avx2 " in open("/proc/cpuinfo").read() else "scalar")
     with pytest.raises(RuntimeError, match="k rounded up to 32"):
         ext.gemv_int8(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
 
@@ -149,9 +148,10 @@ def test_int4_gemm_equals_the_dequantized_weight(n, k, start, ext):
     padded = F.pad(x, (qw.pad_left, qw.pad_right))  # the kernel quantizes the input where the groups fall
     seen = _blocks_of_32(padded)[:, qw.pad_left:qw.pad_left + k]
     got = ext.gemm_int4(x, qw.packed, qw.scales_zeros, qw.pad_left)
-    torch.testing.assert_close(got, seen @ dequantized.T, atol=1e-4, rtol=1e-4)
+    seen = seen @ dequantized.T
+    assert (got - seen).abs().max() <= 1e-4 * seen.abs().max()
     want = x @ dequantized.T
-    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     alone = torch.cat([ext.gemm_int4(x[j:j + 1], qw.packed, qw.scales_zeros, qw.pad_left) for j in range(16)])
     for b in (2, 3, 16):
         assert torch.equal(ext.gemm_int4(x[:b], qw.packed, qw.scales_zeros, qw.pad_left), alone[:b]), b
@@ -179,7 +179,8 @@ def test_int4_dequantized_matches_the_codes():
 @pytest.mark.parametrize("parts", [2, 3, 5])
 def test_quantized_partial_sums_add_up_to_the_whole_bit_for_bit(kind, parts, ext):
     """A row-parallel split: each part's float64 sums (wide), added in float64 and rounded once, equal the
-    unsplit weight's result bit for bit, so quantized tokens do not depend on the tensor-parallel degree."""
+    unsplit weight's result summed in double (exact, what a tp 1 rank runs for o and down projections) bit for
+    bit, so quantized tokens do not depend on the tensor-parallel degree."""
     from shardlm.quant import int8_codes, pack_int8, quantize_int4
 
     g = torch.Generator().manual_seed(6)
@@ -188,12 +189,14 @@ def test_quantized_partial_sums_add_up_to_the_whole_bit_for_bit(kind, parts, ext
     bounds = [round(i * k / parts / 32) * 32 for i in range(parts + 1)]  # head-aligned column ranges
     if kind == "int8":
         q, scale = int8_codes(w)  # one scale per full row, as row-parallel ranks agree on it
-        whole = ext.gemv_int8(x, *_int8_args(pack_int8(q, scale)))
+        whole = ext.gemv_int8(x, *_int8_args(pack_int8(q, scale)), exact=True)
+        fast = ext.gemv_int8(x, *_int8_args(pack_int8(q, scale)))
         wides = [ext.gemv_int8(x[:, a:b], *_int8_args(pack_int8(q[:, a:b], scale)), wide=True)
                  for a, b in zip(bounds, bounds[1:])]
     else:
         full = quantize_int4(w)
-        whole = ext.gemm_int4(x, full.packed, full.scales_zeros, 0)
+        whole = ext.gemm_int4(x, full.packed, full.scales_zeros, 0, exact=True)
+        fast = ext.gemm_int4(x, full.packed, full.scales_zeros, 0)
         wides = []
         for a, b in zip(bounds, bounds[1:]):
             part = quantize_int4(w[:, a:b], a, k)
@@ -201,6 +204,7 @@ def test_quantized_partial_sums_add_up_to_the_whole_bit_for_bit(kind, parts, ext
             wides.append(ext.gemm_int4(x[:, a:b], part.packed, part.scales_zeros, part.pad_left, wide=True))
     assert all(p.dtype == torch.float64 for p in wides)
     assert torch.equal(sum(wides).float(), whole)
+    torch.testing.assert_close(fast, whole, atol=1e-4, rtol=1e-4)  # float sums: for rows no rank splits
 
 
 def _int8_args(qw):

@@ -167,9 +167,11 @@ inline void quantize_padded(const float* x, int64_t b, int64_t k, int64_t pad_le
 }
 
 // ys[i] (b, n_i) = x (b, k) @ weight_i^T for int8 or int4 weights of one padded width that read the same x, in
-// one parallel region (x quantized once, for all); T = double keeps a row-parallel rank's partial sums unrounded.
+// one parallel region (x quantized once, for all). `exact`: sums in double (the o and down projections, whose
+// rows tensor parallelism splits; qrows.h); T = double keeps a row-parallel rank's partial sums unrounded.
 template <typename T>
-inline void project_quantized(const std::vector<std::pair<const Linear*, T*>>& o, const float* x, int64_t k, int64_t b) {
+inline void project_quantized(const std::vector<std::pair<const Linear*, T*>>& o, const float* x, int64_t k, int64_t b,
+                              bool exact) {
   const Linear& first = *o[0].first;
   for (auto [l, y] : o)
     TORCH_CHECK(l->quantized() && l->int4() == first.int4() && l->pad_left == first.pad_left &&
@@ -183,22 +185,22 @@ inline void project_quantized(const std::vector<std::pair<const Linear*, T*>>& o
     for (auto [l, y] : o) {
       const int64_t n = l->w.size(0), a = std::max(lo, start), e = std::min(hi, start + n);
       if (a < e && l->int4())
-        q4rows<T>(data<uint8_t>(l->w), data<uint16_t>(l->scale), xq, y, n, b, a - start, e - start);
+        q4rows<T>(data<uint8_t>(l->w), data<uint16_t>(l->scale), xq, y, n, b, a - start, e - start, exact);
       else if (a < e)
-        qrows<T>(data<int8_t>(l->w), xq.kp, data<float>(l->scale), xq, y, n, b, a - start, e - start);
+        qrows<T>(data<int8_t>(l->w), xq.kp, data<float>(l->scale), xq, y, n, b, a - start, e - start, exact);
       start += n;
     }
   });
 }
 
 // ys[i] (b, n_i) = x (b, k) @ weight_i^T for weights that read the same x, in one parallel region: all float
-// (the model's dtype W), or all quantized (project_quantized).
+// (the model's dtype W), or all quantized (project_quantized; `exact` for the output projections).
 template <typename W>
 inline void project(std::initializer_list<std::pair<const Linear*, float*>> outs, const float* x, int64_t k,
-                    int64_t b) {
+                    int64_t b, bool exact = false) {
   const std::vector<std::pair<const Linear*, float*>> o(outs);
   if (o[0].first->quantized()) {
-    project_quantized<float>(o, x, k, b);
+    project_quantized<float>(o, x, k, b, exact);
     return;
   }
   std::vector<Segment<W>> segs;
@@ -214,11 +216,11 @@ inline torch::Tensor output_projection(const Linear& w, const float* x, int64_t 
   const int64_t n = w.w.size(0);
   if (w.quantized() && !finish) {
     auto partial = torch::empty({b, n}, opts.dtype(torch::kDouble));
-    project_quantized<double>({{&w, partial.data_ptr<double>()}}, x, k, b);
+    project_quantized<double>({{&w, partial.data_ptr<double>()}}, x, k, b, true);
     return partial;
   }
   auto out = torch::empty({b, n}, opts);
-  project<W>({{&w, out.data_ptr<float>()}}, x, k, b);
+  project<W>({{&w, out.data_ptr<float>()}}, x, k, b, true);
   return out;
 }
 

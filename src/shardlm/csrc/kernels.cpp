@@ -38,10 +38,11 @@ torch::Tensor gemv(torch::Tensor x_in, torch::Tensor w) {
 }
 
 // x (..., k) float32 or bfloat16; q (n, kq) int8 codes, kq = k rounded up to 32 (zero columns past k); scale (n,)
-// -> (..., n) in x's dtype: x @ (q * scale)^T. The rows of x are quantized to int8 in blocks of 32 and meet the
-// codes in integer dot products (qrows.h), summed in double; `wide` returns float64 (a row-parallel rank's
-// partial sums, all-reduced in float64), otherwise x's dtype.
-torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool wide) {
+// -> (..., n) in x's dtype: x @ (q * scale)^T. The rows of x are quantized to int16 in blocks of 32 and meet the
+// codes in integer dot products (qrows.h). `exact`: summed in double (a row-parallel kind of weight); `wide`:
+// summed in double and returned as float64 (a row-parallel rank's partial sums, all-reduced in float64);
+// otherwise returned in x's dtype.
+torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "gemv_int8: contiguous int8 (n, kq)");
   const int64_t n = q.size(0), k = x_in.size(-1), kq = q.size(1);
   TORCH_CHECK(kq == (k + shardlm::QBLOCK - 1) / shardlm::QBLOCK * shardlm::QBLOCK && scale.numel() == n,
@@ -60,19 +61,21 @@ torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
     double* yp = y.data_ptr<double>();
-    at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::qrows<double>(w, kq, s, xq, yp, n, b, lo, hi); });
+    at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::qrows<double>(w, kq, s, xq, yp, n, b, lo, hi, true); });
     return y.view(lead);
   }
   auto y = torch::empty({b, n}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::qrows<float>(w, kq, s, xq, yp, n, b, lo, hi); });
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::qrows<float>(w, kq, s, xq, yp, n, b, lo, hi, exact); });
   return y.view(lead).to(x_in.scalar_type());
 }
 
 // x (..., k) float32 or bfloat16; codes (n, kp / 2) uint8 and sz (n, kp / 32, 2) bfloat16 (qrows.h's int4
 // layout); x's k columns sit at [pad_left, pad_left + k) of kp, zeros around them -> (..., n) in x's dtype.
-// Any number of rows: decode and prefill alike read the codes as they are stored. `wide`: float64 out.
-torch::Tensor gemm_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, bool wide) {
+// Any number of rows: decode and prefill alike read the codes as they are stored. `exact` and `wide` as for
+// gemv_int8.
+torch::Tensor gemm_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, bool exact,
+                        bool wide) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kByte && codes.is_contiguous(),
               "gemm_int4: contiguous uint8 codes (n, kp / 2)");
   TORCH_CHECK(sz.dim() == 3 && sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous(),
@@ -94,21 +97,22 @@ torch::Tensor gemm_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor s
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
     double* yp = y.data_ptr<double>();
-    at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::q4rows<double>(w, s, xq, yp, n, b, lo, hi); });
+    at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::q4rows<double>(w, s, xq, yp, n, b, lo, hi, true); });
     return y.view(lead);
   }
   auto y = torch::empty({b, n}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::q4rows<float>(w, s, xq, yp, n, b, lo, hi); });
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::q4rows<float>(w, s, xq, yp, n, b, lo, hi, exact); });
   return y.view(lead).to(x_in.scalar_type());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "decode matrix-vector product");
   m.def("gemv_int8", &gemv_int8, "matrix product with int8 weights and per-row scales (wide: float64 out)",
-        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("wide") = false);
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
   m.def("gemm_int4", &gemm_int4, "matrix product with int4 weights in groups of 32 (wide: float64 out)",
-        py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("wide") = false);
+        py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("exact") = false,
+        py::arg("wide") = false);
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");
   m.def("attn_decode", &shardlm::attn_decode, "attention half of a block for one new token per row");
   m.def("mlp_decode", &shardlm::mlp_decode, "MLP half of a block up to the down projection");

@@ -34,7 +34,7 @@ from shardlm.kernels.linear import fast_linear
 from shardlm.models.registry import Family
 from shardlm.models.source import ModelSource
 from shardlm.parallel.context import ParallelContext
-from shardlm.parallel.styles import ShardCoord, param_slices
+from shardlm.parallel.styles import Rowwise, RowwiseHeads, ShardCoord, param_slices, style_for
 from shardlm.parallel.tensor import RowParallelLinear, parallelize
 from shardlm.plan.plan import RankSpec
 from shardlm.quant import quantize_linear
@@ -72,6 +72,7 @@ def build_rank_model(spec: RankSpec, source: ModelSource, ctx: ParallelContext, 
         target.close()  # no scratch file outlives a failed load
         raise
     finish_model(model, coord, device)
+    mark_exact_sums(model, source.family)
     streamer = start_streamer(model, target, extents, vocab, device, spec, settings, offload_io)
     kernels = choose_kernels(model, spec, device, dtype, settings, streamer is not None, mapped)
     rank = RankModel(model, spec, source.args, device, dtype, coord.local_kv_heads(), kernels, streamer,
@@ -283,6 +284,16 @@ def finish_model(model: nn.Module, coord: ShardCoord, device: torch.device) -> N
                 module.set_kv_map(coord.heads.kv_map(coord.rank), device)
     model.eval().requires_grad_(False)
     trim_heap()  # what reading, converting and quantizing freed
+
+
+def mark_exact_sums(model: nn.Module, family: Family) -> None:
+    """Flag the quantized weights whose rows tensor parallelism splits by input column (the family's row-wise
+    styles: o_proj, down_proj), at any tp: their kernels sum in double, so a tp 1 rank rounds what tp N ranks'
+    float64 partial sums add up to, and quantized tokens do not depend on the layout (shardlm.quant)."""
+    for name, module in model.named_modules():
+        kw = getattr(module, "kernel_weight", None)
+        if hasattr(kw, "exact") and isinstance(style_for(name, family.tp_plan), (Rowwise, RowwiseHeads)):
+            kw.exact = True
 
 
 def start_streamer(model: nn.Module, target: OffloadTarget, extents: dict, vocab: dict, device: torch.device,
