@@ -209,3 +209,17 @@ def test_quantized_partial_sums_add_up_to_the_whole_bit_for_bit(kind, parts, ext
 
 def _int8_args(qw):
     return qw.q, qw.scale
+
+
+def test_a_nan_input_gives_nan_rows_not_garbage(ext):
+    """A NaN in an input row makes that row's outputs NaN (its block's scale carries it), other rows unchanged."""
+    from shardlm.quant import quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(24, 64, generator=g), torch.randn(3, 64, generator=g)
+    bad = x.clone()
+    bad[1, 5] = float("nan")
+    q8, q4 = quantize_int8(w), quantize_int4(w)
+    for run in (lambda t: ext.gemv_int8(t, q8.q, q8.scale), lambda t: ext.gemm_int4(t, q4.packed, q4.scales_zeros, 0)):
+        clean, got = run(x), run(bad)
+        assert torch.isnan(got[1]).all() and torch.equal(got[[0, 2]], clean[[0, 2]])

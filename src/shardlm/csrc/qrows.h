@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -43,12 +44,18 @@ inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, Quan
     for (int64_t blk = 0; blk < out.blocks; ++blk) {
       const int64_t a = blk * QBLOCK, e = std::min(k, a + QBLOCK);
       float amax = 0.f;
-      for (int64_t i = a; i < e; ++i) amax = std::max(amax, std::fabs(x[j * k + i]));
-      const float d = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+      bool finite = true;
+      for (int64_t i = a; i < e; ++i) {
+        amax = std::max(amax, std::fabs(x[j * k + i]));
+        finite = finite && std::isfinite(x[j * k + i]);
+      }
+      // a NaN or infinite input: codes 0 and a NaN scale carry it into the result (no undefined int16 cast)
+      const float d = finite ? amax / 32767.f : std::numeric_limits<float>::quiet_NaN();
+      const float inv = finite && amax > 0.f ? 32767.f / amax : 0.f;
       out.scales[j * out.blocks + blk] = d;
       int32_t total = 0;
       for (int64_t i = a; i < e; ++i) {
-        const int16_t c = static_cast<int16_t>(std::nearbyint(x[j * k + i] * inv));
+        const int16_t c = finite ? static_cast<int16_t>(std::nearbyint(x[j * k + i] * inv)) : 0;
         out.codes[j * kp + i] = c;
         total += c;
       }

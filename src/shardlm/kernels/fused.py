@@ -45,9 +45,10 @@ def _weights(layer: nn.Module, dtype: torch.dtype) -> tuple[list, list | None, l
     if all(w is not None and w.dtype == dtype for w in plain):
         return plain, None, None
     codes = [m.kernel_weight for m in linears]
-    if all(isinstance(kw, Int8Weight) and kw.q.device.type == "cpu" for kw in codes):
+    # "meta": a streamed layer between uses (the streamer puts CPU tensors back before each call)
+    if all(isinstance(kw, Int8Weight) and kw.q.device.type in ("cpu", "meta") for kw in codes):
         return [kw.q for kw in codes], [kw.scale for kw in codes], None
-    if all(isinstance(kw, Int4Weight) and kw.packed.device.type == "cpu" for kw in codes):
+    if all(isinstance(kw, Int4Weight) and kw.packed.device.type in ("cpu", "meta") for kw in codes):
         return [kw.packed for kw in codes], [kw.scales_zeros for kw in codes], [kw.pad_left for kw in codes]
     return None
 
