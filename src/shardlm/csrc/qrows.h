@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "rows.h"
@@ -110,121 +111,80 @@ inline double dot_q8_scalar(const int8_t* w, const QuantRows& x, int64_t j) {
 }
 
 #if defined(__AVX2__)
-// One block's eight int32 lane sums times their scale (a float product, rounded alike on every layout), added
-// to two double accumulators: a row's sum split over tensor-parallel ranks and added up later in double rounds
-// as the whole sum does (see `qrows`).
-inline void add_block(__m256d& lo, __m256d& hi, __m256i isum, __m256 scale) {
-  const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale);
-  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
-  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
-}
+// A (weight row, activation row) pair's running sum over blocks: each block's eight int32 lane sums times the
+// block's scale (a float product, rounded alike on every layout), added in eight lanes.
+// FloatSums: float lanes, one FMA a block; for weights no rank splits (one rank always adds a row's blocks in
+// the same order). DoubleSums: double lanes; a row's sum split over tensor-parallel ranks and added up later
+// in double rounds as the whole sum does (the `exact` weights).
+struct FloatSums {
+  using Lane = __m256;
+  static constexpr int kLanes = 1;  // vectors a pair holds
+  static void zero(Lane* a) { a[0] = _mm256_setzero_ps(); }
+  static void add(Lane* a, __m256i isum, __m256 scale) {
+    a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, a[0]);
+  }
+  static float total(const Lane* a) {  // the eight lanes added in order
+    alignas(32) float l[8];
+    _mm256_store_ps(l, a[0]);
+    float s = 0.f;
+    for (int i = 0; i < 8; ++i) s += l[i];
+    return s;
+  }
+};
 
-inline double lanes_sum(__m256d lo, __m256d hi) {  // the eight lanes added in order
-  alignas(32) double l[8];
-  _mm256_store_pd(l, lo);
-  _mm256_store_pd(l + 4, hi);
-  double s = 0.0;
-  for (int i = 0; i < 8; ++i) s += l[i];
-  return s;
-}
+struct DoubleSums {
+  using Lane = __m256d;
+  static constexpr int kLanes = 2;
+  static void zero(Lane* a) { a[0] = a[1] = _mm256_setzero_pd(); }
+  static void add(Lane* a, __m256i isum, __m256 scale) {
+    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale);
+    a[0] = _mm256_add_pd(a[0], _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
+    a[1] = _mm256_add_pd(a[1], _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
+  }
+  static double total(const Lane* a) {  // the eight lanes added in order
+    alignas(32) double l[8];
+    _mm256_store_pd(l, a[0]);
+    _mm256_store_pd(l + 4, a[1]);
+    double s = 0.0;
+    for (int i = 0; i < 8; ++i) s += l[i];
+    return s;
+  }
+};
 #endif
 
-// y[j, r] = scale[r] * sum_k w[r, k] x[j, k] for R int8 weight rows from r0 and J activation rows from j0,
-// accumulated in double and stored as T (float, or double for partial sums that ranks add up).
-template <typename T, int R, int J>
-inline void qtile(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n, int64_t r0,
-                  int64_t j0) {
+// The accumulator type of a tile: double for `exact` weights, float otherwise.
+template <bool Exact>
+using SumScalar = std::conditional_t<Exact, double, float>;
+
+// y[j, r] = scale[r] * sum_k w[r, k] x[j, k] for R int8 weight rows from r0 and J activation rows from j0, stored
+// as T (float, or double for partial sums that ranks add up).
+template <typename T, bool Exact, int R, int J>
+__attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, const float* scale,
+                                                 const QuantRows& x, T* y, int64_t n, int64_t r0, int64_t j0) {
+  using S = SumScalar<Exact>;
 #if defined(__AVX2__)
-  __m256d lo[R][J], hi[R][J];
+  using P = std::conditional_t<Exact, DoubleSums, FloatSums>;
+  typename P::Lane acc[R][J][P::kLanes];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) lo[r][j] = hi[r][j] = _mm256_setzero_pd();
+    for (int j = 0; j < J; ++j) P::zero(acc[r][j]);
   for (int64_t blk = 0; blk < x.blocks; ++blk) {
     __m256 d[J];
     for (int j = 0; j < J; ++j) d[j] = _mm256_set1_ps(x.scales[(j0 + j) * x.blocks + blk]);
     for (int r = 0; r < R; ++r) {
       const Codes16 wv = widen_int8(w + (r0 + r) * ldw + blk * QBLOCK);
       for (int j = 0; j < J; ++j)
-        add_block(lo[r][j], hi[r][j], block_dot(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
+        P::add(acc[r][j], block_dot(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
-      y[(j0 + j) * n + r0 + r] = static_cast<T>(static_cast<double>(scale[r0 + r]) * lanes_sum(lo[r][j], hi[r][j]));
+      y[(j0 + j) * n + r0 + r] = static_cast<T>(static_cast<S>(scale[r0 + r]) * P::total(acc[r][j]));
 #else
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
       y[(j0 + j) * n + r0 + r] =
           static_cast<T>(static_cast<double>(scale[r0 + r]) * dot_q8_scalar(w + (r0 + r) * ldw, x, j0 + j));
 #endif
-}
-
-#if defined(__AVX2__)
-inline float lanes_sumf(__m256 v) {  // the eight lanes added in order
-  alignas(32) float l[8];
-  _mm256_store_ps(l, v);
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += l[i];
-  return s;
-}
-#endif
-
-// qtile with float accumulators: for weights whose rows are never split over ranks (column-parallel ones),
-// where one rank always adds a row's blocks in the same order. Faster: one FMA per block and pair.
-template <typename T, int R, int J>
-inline void qtile_float(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n,
-                        int64_t r0, int64_t j0) {
-#if defined(__AVX2__)
-  __m256 acc[R][J];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t blk = 0; blk < x.blocks; ++blk) {
-    __m256 d[J];
-    for (int j = 0; j < J; ++j) d[j] = _mm256_set1_ps(x.scales[(j0 + j) * x.blocks + blk]);
-    for (int r = 0; r < R; ++r) {
-      const Codes16 wv = widen_int8(w + (r0 + r) * ldw + blk * QBLOCK);
-      for (int j = 0; j < J; ++j) {
-        const __m256i isum = block_dot(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK);
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d[j], acc[r][j]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) y[(j0 + j) * n + r0 + r] = static_cast<T>(scale[r0 + r] * lanes_sumf(acc[r][j]));
-#else
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j)
-      y[(j0 + j) * n + r0 + r] = static_cast<T>(scale[r0 + r] * dot_q8_scalar(w + (r0 + r) * ldw, x, j0 + j));
-#endif
-}
-
-// Rows [lo, hi) of an int8 weight (rows ldw >= kp apart) against every quantized activation row. `exact`
-// (a row-parallel weight): double accumulators, four weight rows at a time for one activation row, two by two
-// for more; otherwise float ones, eight rows for one activation row, four by two for more.
-template <typename T>
-inline void qrows(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n, int64_t b,
-                  int64_t lo, int64_t hi, bool exact) {
-  int64_t r = lo;
-  if (exact) {
-    if (b == 1)
-      for (; r + 4 <= hi; r += 4) qtile<T, 4, 1>(w, ldw, scale, x, y, n, r, 0);
-    for (; r + 2 <= hi; r += 2) {
-      int64_t j = 0;
-      for (; j + 2 <= b; j += 2) qtile<T, 2, 2>(w, ldw, scale, x, y, n, r, j);
-      if (j < b) qtile<T, 2, 1>(w, ldw, scale, x, y, n, r, j);
-    }
-    for (; r < hi; ++r)
-      for (int64_t j = 0; j < b; ++j) qtile<T, 1, 1>(w, ldw, scale, x, y, n, r, j);
-    return;
-  }
-  if (b == 1)
-    for (; r + 8 <= hi; r += 8) qtile_float<T, 8, 1>(w, ldw, scale, x, y, n, r, 0);
-  for (; r + 4 <= hi; r += 4) {
-    int64_t j = 0;
-    for (; j + 2 <= b; j += 2) qtile_float<T, 4, 2>(w, ldw, scale, x, y, n, r, j);
-    if (j < b) qtile_float<T, 4, 1>(w, ldw, scale, x, y, n, r, j);
-  }
-  for (; r < hi; ++r)
-    for (int64_t j = 0; j < b; ++j) qtile_float<T, 1, 1>(w, ldw, scale, x, y, n, r, j);
 }
 
 // int4 weights (shardlm.quant.Int4Weight on the CPU): codes (n, kp / 2) two per byte, each group of 32
@@ -239,17 +199,20 @@ inline float group_sum_scalar(const uint8_t* w, const int16_t* xc) {
   return static_cast<float>(acc);
 }
 
-template <typename T, int R, int J>
-inline void q4tile(const uint8_t* w, const uint16_t* sz, const QuantRows& x, T* y, int64_t n, int64_t r0,
-                   int64_t j0) {
+// The int4 counterpart of qtile: sum over groups of scale * sum q x + (zero - 8 * scale) * sum x.
+template <typename T, bool Exact, int R, int J>
+__attribute__((always_inline)) inline void q4tile(const uint8_t* w, const uint16_t* sz, const QuantRows& x, T* y,
+                                                  int64_t n, int64_t r0, int64_t j0) {
+  using S = SumScalar<Exact>;
   const int64_t groups = x.blocks, ldw = x.kp / 2;
-  double zacc[R][J] = {};
+  S zacc[R][J] = {};
 #if defined(__AVX2__)
-  __m256d lo[R][J], hi[R][J];
+  using P = std::conditional_t<Exact, DoubleSums, FloatSums>;
+  typename P::Lane acc[R][J][P::kLanes];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) lo[r][j] = hi[r][j] = _mm256_setzero_pd();
+    for (int j = 0; j < J; ++j) P::zero(acc[r][j]);
 #else
-  double acc[R][J] = {};
+  S acc[R][J] = {};
 #endif
   for (int64_t g = 0; g < groups; ++g) {
     for (int r = 0; r < R; ++r) {
@@ -263,94 +226,86 @@ inline void q4tile(const uint8_t* w, const uint16_t* sz, const QuantRows& x, T* 
         const int64_t at = (j0 + j) * x.blocks + g;
         const int16_t* xc = x.codes.data() + (j0 + j) * x.kp + g * QBLOCK;
 #if defined(__AVX2__)
-        add_block(lo[r][j], hi[r][j], block_dot(q, xc), _mm256_set1_ps(s * x.scales[at]));
+        P::add(acc[r][j], block_dot(q, xc), _mm256_set1_ps(s * x.scales[at]));
 #else
-        acc[r][j] += static_cast<double>(s * x.scales[at] * group_sum_scalar(wg, xc));
+        acc[r][j] += static_cast<S>(s * x.scales[at] * group_sum_scalar(wg, xc));
 #endif
-        zacc[r][j] += static_cast<double>(m) * x.sums[at];
+        zacc[r][j] += static_cast<S>(m) * x.sums[at];
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) {
 #if defined(__AVX2__)
-      y[(j0 + j) * n + r0 + r] = static_cast<T>(lanes_sum(lo[r][j], hi[r][j]) + zacc[r][j]);
+      y[(j0 + j) * n + r0 + r] = static_cast<T>(P::total(acc[r][j]) + zacc[r][j]);
 #else
       y[(j0 + j) * n + r0 + r] = static_cast<T>(acc[r][j] + zacc[r][j]);
 #endif
     }
 }
 
-// q4tile with float accumulators (see qtile_float).
-template <typename T, int R, int J>
-inline void q4tile_float(const uint8_t* w, const uint16_t* sz, const QuantRows& x, T* y, int64_t n, int64_t r0,
-                         int64_t j0) {
-  const int64_t groups = x.blocks, ldw = x.kp / 2;
-  float zacc[R][J] = {};
-#if defined(__AVX2__)
-  __m256 acc[R][J];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
-#else
-  float acc[R][J] = {};
-#endif
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* wg = w + (r0 + r) * ldw + g * 16;
-      const float s = bf16_to_float(sz[((r0 + r) * groups + g) * 2]);
-      const float m = bf16_to_float(sz[((r0 + r) * groups + g) * 2 + 1]) - 8.f * s;
-#if defined(__AVX2__)
-      const Codes16 q = widen_nibbles(wg);
-#endif
-      for (int j = 0; j < J; ++j) {
-        const int64_t at = (j0 + j) * x.blocks + g;
-        const int16_t* xc = x.codes.data() + (j0 + j) * x.kp + g * QBLOCK;
-#if defined(__AVX2__)
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(q, xc)), _mm256_set1_ps(s * x.scales[at]), acc[r][j]);
-#else
-        acc[r][j] += s * x.scales[at] * group_sum_scalar(wg, xc);  // float, like the vector path
-#endif
-        zacc[r][j] += m * x.sums[at];
-      }
-    }
+// (The tiles are forced inline into `tile_rows`: called through the Int8Tiles/Int4Tiles functors, GCC kept them
+// out of line and batch-8 int8 ran 12 % slower, measured.)
+// Every row in [lo, hi) against every activation row, in tiles `tile.run<R, J>(r0, j0)`: `Exact` tiles hold two
+// double vectors a pair, so four weight rows for one activation row and two by two for more; float ones eight
+// rows for one activation row and four by two.
+template <bool Exact, typename Tile>
+inline void tile_rows(const Tile& tile, int64_t b, int64_t lo, int64_t hi) {
+  constexpr int single = Exact ? 4 : 8, paired = Exact ? 2 : 4;
+  int64_t r = lo;
+  if (b == 1)
+    for (; r + single <= hi; r += single) tile.template run<single, 1>(r, 0);
+  for (; r + paired <= hi; r += paired) {
+    int64_t j = 0;
+    for (; j + 2 <= b; j += 2) tile.template run<paired, 2>(r, j);
+    if (j < b) tile.template run<paired, 1>(r, j);
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) {
-#if defined(__AVX2__)
-      y[(j0 + j) * n + r0 + r] = static_cast<T>(lanes_sumf(acc[r][j]) + zacc[r][j]);
-#else
-      y[(j0 + j) * n + r0 + r] = static_cast<T>(acc[r][j] + zacc[r][j]);
-#endif
-    }
+  for (; r < hi; ++r)
+    for (int64_t j = 0; j < b; ++j) tile.template run<1, 1>(r, j);
 }
 
-// Rows [lo, hi) of an int4 weight against every quantized activation row (x.kp = the weight's padded width);
-// `exact` as for qrows.
+template <typename T, bool Exact>
+struct Int8Tiles {
+  const int8_t* w;
+  int64_t ldw;
+  const float* scale;
+  const QuantRows& x;
+  T* y;
+  int64_t n;
+  template <int R, int J>
+  void run(int64_t r0, int64_t j0) const { qtile<T, Exact, R, J>(w, ldw, scale, x, y, n, r0, j0); }
+};
+
+template <typename T, bool Exact>
+struct Int4Tiles {
+  const uint8_t* w;
+  const uint16_t* sz;
+  const QuantRows& x;
+  T* y;
+  int64_t n;
+  template <int R, int J>
+  void run(int64_t r0, int64_t j0) const { q4tile<T, Exact, R, J>(w, sz, x, y, n, r0, j0); }
+};
+
+// Rows [lo, hi) of an int8 weight (rows ldw >= kp apart) against every quantized activation row; `exact`: sums
+// in double (see the top of this file).
+template <typename T>
+inline void qrows(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n, int64_t b,
+                  int64_t lo, int64_t hi, bool exact) {
+  if (exact)
+    tile_rows<true>(Int8Tiles<T, true>{w, ldw, scale, x, y, n}, b, lo, hi);
+  else
+    tile_rows<false>(Int8Tiles<T, false>{w, ldw, scale, x, y, n}, b, lo, hi);
+}
+
+// Rows [lo, hi) of an int4 weight against every quantized activation row (x.kp = the weight's padded width).
 template <typename T>
 inline void q4rows(const uint8_t* w, const uint16_t* sz, const QuantRows& x, T* y, int64_t n, int64_t b, int64_t lo,
                    int64_t hi, bool exact) {
-  int64_t r = lo;
-  if (exact) {
-    if (b == 1)
-      for (; r + 4 <= hi; r += 4) q4tile<T, 4, 1>(w, sz, x, y, n, r, 0);
-    for (; r + 2 <= hi; r += 2) {
-      int64_t j = 0;
-      for (; j + 2 <= b; j += 2) q4tile<T, 2, 2>(w, sz, x, y, n, r, j);
-      if (j < b) q4tile<T, 2, 1>(w, sz, x, y, n, r, j);
-    }
-    for (; r < hi; ++r)
-      for (int64_t j = 0; j < b; ++j) q4tile<T, 1, 1>(w, sz, x, y, n, r, j);
-    return;
-  }
-  if (b == 1)
-    for (; r + 8 <= hi; r += 8) q4tile_float<T, 8, 1>(w, sz, x, y, n, r, 0);
-  for (; r + 4 <= hi; r += 4) {
-    int64_t j = 0;
-    for (; j + 2 <= b; j += 2) q4tile_float<T, 4, 2>(w, sz, x, y, n, r, j);
-    if (j < b) q4tile_float<T, 4, 1>(w, sz, x, y, n, r, j);
-  }
-  for (; r < hi; ++r)
-    for (int64_t j = 0; j < b; ++j) q4tile_float<T, 1, 1>(w, sz, x, y, n, r, j);
+  if (exact)
+    tile_rows<true>(Int4Tiles<T, true>{w, sz, x, y, n}, b, lo, hi);
+  else
+    tile_rows<false>(Int4Tiles<T, false>{w, sz, x, y, n}, b, lo, hi);
 }
 
 }  // namespace shardlm

@@ -184,8 +184,10 @@ def fixed_stats(rank: RankModel, runner: SlotRunner) -> dict[str, int] | None:
     """The counters that cannot change after loading (weights held, KV cache, bytes streamed per step), counted
     once: walking every module for the weight bytes takes milliseconds a poll should not. None for a rank that
     streams offloaded layers, whose resident weights change as layers come and go."""
-    if rank.streamer is not None:
-        return None
+    return None if rank.streamer is not None else _weight_counts(rank, runner)
+
+
+def _weight_counts(rank: RankModel, runner: SlotRunner) -> dict[str, int]:
     return {"weight_bytes": rank.resident_bytes(), "kv_cache_bytes": runner.cache.nbytes(),
             "streamed_bytes": rank.streamed_bytes_per_step()}
 
@@ -195,8 +197,7 @@ def rank_stats(rank: RankModel, ctx: ParallelContext, runner: SlotRunner,
     """This rank's counters so far: memory, collectives per op, streaming (`fixed`: those counted at load)."""
     streamer, device = rank.streamer, str(rank.device)
     gpu = device.startswith("cuda")
-    fixed = fixed or {"weight_bytes": rank.resident_bytes(), "kv_cache_bytes": runner.cache.nbytes(),
-                      "streamed_bytes": rank.streamed_bytes_per_step()}
+    fixed = fixed or _weight_counts(rank, runner)
     return {"peak_rss_bytes": peak_rss_bytes(), "peak_gpu_bytes": peak_gpu_bytes(device), "rss_bytes": rss_bytes(),
             "comms": ctx.snapshot(), **fixed, "steps": runner.clock.as_dict(),
             "gpu_allocated_bytes": int(torch.cuda.memory_allocated(device)) if gpu else None,
