@@ -286,3 +286,37 @@ def held_bytes(model: nn.Module, skip: frozenset[int] = frozenset()) -> int:
             if all(t.device.type != "meta" and id(t) not in skip for t in tensors):
                 total += kw.nbytes()
     return total
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding held as int8 codes with a scale per row (`--quantize-embedding`): a lookup multiplies
+    the rows' codes by their scales, in float32, then rounds to `dtype`. The codes are an Int8Weight, so an LM head
+    tied to the embedding multiplies by the very same tensor through the int8 kernel.
+
+    Under tensor parallelism the rows are the rank's vocabulary slice [start, stop): ids outside it give zeros and
+    the all-reduce of `ctx` sums every token's row from the rank that owns it, as VocabParallelEmbedding does.
+    """
+
+    def __init__(self, codes: Int8Weight, dtype: torch.dtype, start: int = 0, stop: int | None = None, ctx=None):
+        super().__init__()
+        self.kernel_weight, self.dtype, self.ctx = codes, dtype, ctx
+        self.start, self.stop = start, codes.q.shape[0] if stop is None else stop
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (b, s) -> (b, s, dim) in `dtype`."""
+        kw = self.kernel_weight
+        mine = (ids >= self.start) & (ids < self.stop)
+        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
+        codes = kw.q[local][..., :kw.in_features]  # (b, s, dim) int8
+        out = (codes.float() * kw.scale[local].float().unsqueeze(-1)).to(self.dtype)  # (b, s, dim)
+        if self.ctx is None:
+            return out
+        return self.ctx.all_reduce(out * mine.unsqueeze(-1).to(self.dtype))
+
+
+def quantize_embedding(embedding: nn.Module, dtype: torch.dtype) -> Int8Embedding:
+    """The Int8Embedding of a loaded embedding (nn.Embedding, or a VocabParallelEmbedding with its slice and
+    group): per-row int8 over whole rows, so every layout holds the same codes for a token."""
+    codes = quantize_int8(embedding.weight.detach())
+    return Int8Embedding(codes, dtype, getattr(embedding, "start", 0), getattr(embedding, "stop", None),
+                         getattr(embedding, "ctx", None))

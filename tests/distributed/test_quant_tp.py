@@ -67,3 +67,31 @@ def test_a_converted_checkpoint_loads_the_weights_quantizing_at_load_gives(model
             assert a.keys() == b.keys()
             for name in a:
                 assert torch.equal(a[name], b[name]), f"tp {tp} rank {rank} {name}"
+
+
+def _build_tied(rank, world, folder, pp):
+    model = build(folder, rank, ParallelContext(rank, world), settings=Settings(kernels="torch"), tp=world // pp,
+                  pp=pp, quantize_embedding=True)
+    return _dequantized(model.module)
+
+
+@pytest.mark.parametrize("tp,pp", [(3, 1), (1, 2)])
+def test_an_int8_embedding_and_its_tied_head_hold_the_tp1_codes_at_any_layout(tmp_path, tp, pp):
+    """tp: each rank holds the vocabulary rows of the one-rank table; pp: the last stage, which has no embedding,
+    quantizes its copy of the tied head to the codes the first stage's embedding holds."""
+    folder = write_random_checkpoint({**PRESETS["debug"], "tie_word_embeddings": True}, tmp_path / "m", seed=2)
+    family, args = args_for_config(read_config(folder))
+    whole = run_on_ranks(_build_tied, 1, str(folder), 1, timeout_s=120)[0]
+    assert {"model.embed_tokens", "lm_head"} <= whole.keys()
+    assert torch.equal(whole["model.embed_tokens"], whole["lm_head"])
+    ranks = run_on_ranks(_build_tied, tp * pp, str(folder), pp, timeout_s=180)
+    if pp > 1:
+        assert [sorted(r) for r in ranks] == [["model.embed_tokens"], ["lm_head"]]
+        assert torch.equal(ranks[0]["model.embed_tokens"], whole["model.embed_tokens"])
+        assert torch.equal(ranks[1]["lm_head"], whole["lm_head"])
+        return
+    for rank, got in enumerate(ranks):
+        coord = ShardCoord.for_model(args, rank, tp)
+        for name, w in got.items():
+            sl = param_slices(f"{name}.weight", tuple(whole[name].shape), family.tp_plan, coord)
+            assert torch.equal(w, whole[name][sl]), f"tp {tp} rank {rank} {name}"

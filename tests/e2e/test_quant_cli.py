@@ -97,3 +97,16 @@ def test_convert_quantization_writes_a_checkpoint_generate_loads_as_is(tmp_path)
     assert again.returncode == 2 and "already quantized" in again.stderr
     bad = run_cli("convert", "smollm2-135m", "-o", str(tmp_path / "bad"), "--quantization", "int3")
     assert bad.returncode == 2 and "use int8 or int4" in bad.stderr
+
+
+def test_an_int8_embedding_keeps_tokens_layout_free_and_perplexity_prints_its_cost():
+    one = _generate("--quantization", "int4", "--quantize-embedding")
+    assert one["embedding"] == "int8"
+    for flags in (("--tp", "2"), ("--pp", "2")):  # pp 2: the last stage quantizes its own copy of the tied head
+        assert _generate("--quantization", "int4", "--quantize-embedding", *flags)["token_ids"] == one["token_ids"]
+    res = run_cli("perplexity", "--quantization", "int4", "--quantize-embedding")
+    assert res.returncode == 0, res.stderr
+    rows = [line.split("│") for line in res.stdout.splitlines() if line.count("│") > 5 and "int4" in line]
+    assert [r[3].strip() for r in rows] == ["float", "int8"], rows
+    cost = float(rows[1][6].strip().rstrip("%"))  # the int8-embedding row against its float-embedding twin
+    assert abs(cost) < 3, cost

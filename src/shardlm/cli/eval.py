@@ -52,6 +52,7 @@ def perplexity(
     text: Optional[str] = typer.Option(None, "--text", parser=o.ExistingPath("file"), help="UTF-8 text file to score (default: the public-domain text shipped with shardlm)."),
     window: int = typer.Option(512, parser=o.WINDOW, help="Tokens per scored window (each window is scored from scratch)."),
     device: str = typer.Option("cpu", help="cpu, or cuda (the first GPU)."),
+    quantize_embedding: bool = typer.Option(False, "--quantize-embedding", help="Also score each row with the embedding (and a head tied to it) held as int8 rows, and print what that costs."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Perplexity of the model on a text for each dtype x quantization asked (one rank, on --device)."""
@@ -80,24 +81,32 @@ def perplexity(
     rows = []
     for d in dtypes:
         for q in quants:
-            with err.status(f"scoring {d}{'' if q == 'none' else ' + ' + q}..."):
-                try:
-                    r = run(source, body, tok, d, None if q == "none" else q, window,
-                            "cuda:0" if device == "cuda" else "cpu")
-                except (CheckpointError, ValueError) as e:
-                    _fail(str(e))
-            rows.append({"dtype": d, "quantization": q, "perplexity": r.perplexity, "nll": r.nll, "tokens": r.tokens,
-                         "windows": r.windows, "weight_bytes": r.weight_bytes, "seconds": r.seconds})
+            for e in ("float", "int8") if quantize_embedding else ("float",):
+                with err.status(f"scoring {d}{'' if q == 'none' else ' + ' + q}{', int8 embedding' * (e == 'int8')}..."):
+                    try:
+                        r = run(source, body, tok, d, None if q == "none" else q, window,
+                                "cuda:0" if device == "cuda" else "cpu", embedding=e)
+                    except (CheckpointError, ValueError) as ex:
+                        _fail(str(ex))
+                rows.append({"dtype": d, "quantization": q, "embedding": e, "perplexity": r.perplexity, "nll": r.nll,
+                             "tokens": r.tokens, "windows": r.windows, "weight_bytes": r.weight_bytes,
+                             "seconds": r.seconds})
     if as_json:
         print(json.dumps({"model": str(folder), "text": text or "shardlm/data/eval_text.txt", "window": window,
                           "results": rows}))
         return
     table = Table(title=f"perplexity of {Path(folder).name} on {text or 'the shipped text'} "
                         f"({rows[0]['tokens']} tokens, windows of {window})")
-    for col in ("dtype", "quantization", "perplexity", "vs first row", "weights MiB", "seconds"):
-        table.add_column(col, justify="left" if col in ("dtype", "quantization") else "right")
+    cols = ("dtype", "quantization", *(("embedding",) if quantize_embedding else ()), "perplexity", "vs first row",
+            *(("int8 embedding costs",) if quantize_embedding else ()), "weights MiB", "seconds")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("dtype", "quantization", "embedding") else "right")
     base = rows[0]["perplexity"]
-    for r in rows:
-        table.add_row(r["dtype"], r["quantization"], f"{r['perplexity']:.3f}", f"{r['perplexity'] / base - 1:+.1%}",
-                      f"{r['weight_bytes'] / 2**20:.0f}", f"{r['seconds']:.1f}")
+    for i, r in enumerate(rows):
+        # with --quantize-embedding each int8-embedding row follows its float-embedding twin
+        cost = f"{r['perplexity'] / rows[i - 1]['perplexity'] - 1:+.2%}" if r["embedding"] == "int8" else ""
+        table.add_row(r["dtype"], r["quantization"], *((r["embedding"],) if quantize_embedding else ()),
+                      f"{r['perplexity']:.3f}", f"{r['perplexity'] / base - 1:+.1%}",
+                      *((cost,) if quantize_embedding else ()), f"{r['weight_bytes'] / 2**20:.0f}",
+                      f"{r['seconds']:.1f}")
     out.print(table)

@@ -84,6 +84,7 @@ def generate(
     micro_batches: L.MicroBatches = None,
     manifest: L.Manifest = None,
     quantization: L.Quantization = None,
+    quantize_embedding: L.QuantizeEmbedding = False,
     memory_budget: L.MemoryBudget = None,
     offload_dir: L.OffloadDir = None,
     no_prefetch: L.NoPrefetch = False,
@@ -92,7 +93,7 @@ def generate(
 ) -> None:
     """Generate text on tp x pp ranks spawned on this machine; streams the completion to stdout."""
     lay = L.layout_of(tp, pp, layers, micro_batches, dtype, quantization, memory_budget, offload_dir, no_prefetch,
-                      device, manifest, verify)
+                      device, manifest, verify, quantize_embedding)
     request = GenerateRequest(prompts, max_new_tokens, SamplingParams(temperature, top_p, top_k, seed), chat,
                               ignore_eos)
     _run(request, model, lay.flags, lay.given, lay.manifest, as_json, lay.verify)

@@ -25,6 +25,7 @@ MicroBatches = Annotated[Optional[int], typer.Option("--micro-batches", parser=o
 Manifest = Annotated[Optional[str], typer.Option("--manifest", parser=o.ExistingPath("file"), help="Run the plan in this manifest (from `shardlm plan`).")]
 Dtype = Annotated[Optional[str], typer.Option(help="float32 (default) or bfloat16.")]
 Quantization = Annotated[Optional[str], typer.Option("--quantization", help="Weight-only quantization of linear layers at load: none, int8 (per channel) or int4 (groups of 32).")]
+QuantizeEmbedding = Annotated[bool, typer.Option("--quantize-embedding", help="Hold the token embedding, and an LM head tied to it, as int8 rows with a scale each (a quarter of float32's bytes, read once per token by the head); `shardlm perplexity --quantize-embedding` prints what it costs.")]
 MemoryBudget = Annotated[Optional[int], typer.Option("--memory-budget", parser=o.MEMORY_BUDGET, help="Weights + read buffers per rank, e.g. 300MB; layers beyond it stream from disk.")]
 OffloadDir = Annotated[Optional[str], typer.Option("--offload-dir", parser=o.NewPath("folder"), help="Folder for streamed layers (default $SHARDLM_HOME/offload).")]
 NoPrefetch = Annotated[bool, typer.Option("--no-prefetch", help="Read each streamed layer only when it is needed (for comparison).")]
@@ -44,13 +45,13 @@ class Layout:
 
 
 def layout_of(tp, pp, layers, micro_batches, dtype, quantization, memory_budget, offload_dir, no_prefetch, device,
-              manifest, verify) -> Layout:
+              manifest, verify, quantize_embedding: bool = False) -> Layout:
     """RunFlags and the manifest from the layout options; exits with one line for a manifest that cannot be
     read or a layout option given beside it."""
     named = {"--tp": tp, "--pp": pp, "--layers": ",".join(map(str, layers)) if layers else None,
              "--micro-batches": micro_batches, "--dtype": dtype, "--quantization": quantization,
              "--memory-budget": memory_budget and f"{memory_budget // 2**20}MB", "--offload-dir": offload_dir,
-             "--no-prefetch": no_prefetch}
+             "--no-prefetch": no_prefetch, "--quantize-embedding": quantize_embedding}
     read = None
     if manifest is not None:
         from shardlm.manifest import ManifestError, read_manifest
@@ -63,5 +64,5 @@ def layout_of(tp, pp, layers, micro_batches, dtype, quantization, memory_budget,
     given = {k.lstrip("-").replace("-", "_") for k, v in {**named, "--device": device}.items()
              if v is not None and v is not False}
     flags = RunFlags(tp, pp, layers, micro_batches, dtype or "float32", "none" if quantization is None else quantization,
-                     device or "cpu", memory_budget, offload_dir, not no_prefetch)
+                     device or "cpu", memory_budget, offload_dir, not no_prefetch, quantize_embedding)
     return Layout(flags, given, read, verify)

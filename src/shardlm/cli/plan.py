@@ -70,6 +70,7 @@ def plan_json(plan: Plan) -> dict:
     p = pred.performance
     return {
         "model": plan.model.name, "cluster": plan.cluster, "dtype": plan.dtype, "quantization": plan.quantization,
+        "embedding": plan.embedding,
         "parallelism": {"tensor": lay.tp, "pipeline": lay.pp, "data": lay.dp},
         "stages": [{"layers": list(r), "devices": [list(lay.devices[d][s]) for d in range(lay.dp)]}
                    for s, r in enumerate(lay.stage_layers)],
@@ -125,6 +126,7 @@ def plan(model: str = typer.Argument(..., help="Preset name or local model folde
          max_batch: int = typer.Option(1, "--max-batch", parser=o.MAX_BATCH, help="Sequences decoded together."),
          dtype: str = typer.Option("bfloat16", "--dtype", help="float32 | bfloat16 | float16"),
          quantization: str = typer.Option("auto", "--quantization", help="auto | none | int8 | int4"),
+         quantize_embedding: bool = typer.Option(False, "--quantize-embedding", help="Hold the token embedding, and an LM head tied to it, as int8 rows."),
          objective: str = typer.Option("latency", "--objective", help="latency | throughput"),
          tp: Optional[int] = typer.Option(None, "--tp", parser=o.TP, help="Pin the tensor-parallel degree."),
          pp: Optional[int] = typer.Option(None, "--pp", parser=o.PP, help="Pin the number of pipeline stages."),
@@ -140,7 +142,8 @@ def plan(model: str = typer.Argument(..., help="Preset name or local model folde
         check_options(dtype, quantization, objective, max_batch, 2 if max_seq_len is None else max_seq_len, args)
         clus, cname = load_devices(devices, cluster)
         req = Request(ref, args, family.tp_plan, clus, cname, dtype, quantization, objective,
-                      default_kv(max_batch, max_seq_len, args), tp, pp, layers, offload)
+                      default_kv(max_batch, max_seq_len, args), tp, pp, layers, offload,
+                      embedding="int8" if quantize_embedding else "float")
         if req.layers is not None and req.pp is None:
             req = replace(req, pp=len(req.layers))
         result = make_plan(req)
@@ -178,7 +181,8 @@ def _write_outputs(best: Plan, output: Optional[str], figure: Optional[str]) -> 
 
 def _print_plan(result, best: Plan, show: int) -> None:
     req = result.request
-    out.print(f"[bold]{req.model.name}[/] on {req.cluster.describe()}: {req.dtype}, quantization {req.quantization}, "
+    out.print(f"[bold]{req.model.name}[/] on {req.cluster.describe()}: {req.dtype}, quantization {req.quantization}"
+              f"{', int8 embedding' if req.embedding == 'int8' else ''}, "
               f"objective {req.objective}, batch {req.kv.max_batch} x {req.kv.max_seq_len} tokens")
     out.print(_candidates_table(result.ranked, show))
     rejected = [c for c in result.candidates if not c.feasible]

@@ -25,6 +25,7 @@ def serve(
     micro_batches: L.MicroBatches = None,
     dtype: L.Dtype = None,
     quantization: L.Quantization = None,
+    quantize_embedding: L.QuantizeEmbedding = False,
     memory_budget: L.MemoryBudget = None,
     offload_dir: L.OffloadDir = None,
     no_prefetch: L.NoPrefetch = False,
@@ -50,7 +51,7 @@ def serve(
     from shardlm.serve.server import ServeError, bind, serve as run
 
     lay = L.layout_of(tp, pp, layers, micro_batches, dtype, quantization, memory_budget, offload_dir, no_prefetch,
-                      device, manifest, verify)
+                      device, manifest, verify, quantize_embedding)
     if lay.manifest is not None and any(v is not None for v in (max_batch, max_seq_len, prefill_chunk)):
         fail(f"--max-batch, --max-seq-len and --prefill-chunk cannot be combined with --manifest {manifest}, whose "
              "kv_cache section sizes the cache; drop them or edit the manifest")

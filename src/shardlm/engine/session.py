@@ -229,7 +229,8 @@ def summarize(job: Job, result: GenerateResult, load_s: float, ready: list[dict]
     specs = [plan.rank_spec(r) for r in range(plan.world)]
     return {
         "model": job.source.folder, "tp": lay.tp, "pp": lay.pp, "dtype": plan.dtype, "device": plan.device,
-        "quantization": plan.quantization, "stages": [list(r) for r in lay.stage_layers], "micro_batches": micro_batches,
+        "quantization": plan.quantization, "embedding": plan.embedding, "stages": [list(r) for r in lay.stage_layers],
+        "micro_batches": micro_batches,
         "text": [tok.decode(t, skip_special_tokens=True) for t in result.token_ids], "token_ids": result.token_ids,
         "timings": {
             "load_s": load_s,

@@ -51,6 +51,9 @@ def parse_manifest(text: str, source: str = "<manifest>") -> Plan:
     m: Manifest = validate(doc, Manifest)
     layout = _layout(doc, m)
     offload = OffloadSection() if m.offload is None else m.offload
+    if m.embedding != "float" and any(offload.vocab):
+        raise doc.error(("embedding",), f"{m.embedding} with offload.vocab streaming a stage's vocabulary from disk "
+                        "(only a float embedding streams)", "set embedding: float, or offload.vocab false per stage")
     serving = Serving() if m.serving is None else Serving(m.serving.host, m.serving.port)
     monitoring = Monitoring() if m.monitoring is None else Monitoring(m.monitoring.metrics, m.monitoring.dashboard)
     return Plan(
@@ -67,6 +70,7 @@ def parse_manifest(text: str, source: str = "<manifest>") -> Plan:
         monitoring=monitoring,
         predictions=None if m.predictions is None else _predictions(doc, m.predictions),
         micro_batches=m.parallelism.micro_batches,
+        embedding=m.embedding,
     )
 
 

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
-from shardlm.plan.plan import DEVICES, DTYPES, OBJECTIVES, OFFLOAD_TIERS, QUANTIZATIONS
+from shardlm.plan.plan import DEVICES, DTYPES, EMBEDDINGS, OBJECTIVES, OFFLOAD_TIERS, QUANTIZATIONS
 from shardlm.yamlschema import FLAG, NUMBER, TEXT, Expect, Int, Invalid, Limits, Section, choice, shown
 
 SCHEMA_VERSION = 1
@@ -181,6 +181,7 @@ class Manifest(Section):
     device: choice(DEVICES) | None = Field(None, description="one of " + ", ".join(DEVICES))
     dtype: choice(DTYPES) = Field(description="one of " + ", ".join(DTYPES))
     quantization: choice(QUANTIZATIONS) = Field("none", description="one of " + ", ".join(QUANTIZATIONS))
+    embedding: choice(EMBEDDINGS) = Field("float", description="one of " + ", ".join(EMBEDDINGS))
     objective: choice(OBJECTIVES) = Field("latency", description="one of " + ", ".join(OBJECTIVES))
     parallelism: ParallelismSection = Field(description="a mapping {tensor: T, pipeline: P, data: D}")
     stages: list[Annotated[StageSection, Field(description='a mapping {layers: [start, stop], devices: '

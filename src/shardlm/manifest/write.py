@@ -9,7 +9,7 @@ import yaml
 
 from shardlm.atomic import atomic_file
 from shardlm.manifest.schema import HEADER, SCHEMA_VERSION
-from shardlm.plan.plan import DEVICES, DTYPES, OBJECTIVES, OFFLOAD_TIERS, QUANTIZATIONS, Plan, Predictions
+from shardlm.plan.plan import DEVICES, DTYPES, EMBEDDINGS, OBJECTIVES, OFFLOAD_TIERS, QUANTIZATIONS, Plan, Predictions
 
 _TAG = "tag:yaml.org,2002:"
 _BYTE_KEYS = ("weights", "kv_cache", "activations", "overhead", "offloaded", "total", "capacity")
@@ -49,6 +49,7 @@ _TOP_COMMENTS = {
     "device": " | ".join(DEVICES),
     "dtype": " | ".join(DTYPES),
     "quantization": " | ".join(QUANTIZATIONS),
+    "embedding": " | ".join(EMBEDDINGS) + " (int8: the embedding and a head tied to it as int8 codes)",
     "objective": " | ".join(OBJECTIVES),
     "stages": "one per pipeline stage: layers [start, stop); devices: one list per replica, one address per tp rank",
     "offload": "tier: " + " | ".join(OFFLOAD_TIERS) + "; layers: per stage, how many are offloaded",
@@ -90,6 +91,7 @@ def _plan_doc(plan: Plan) -> dict:
         "device": plan.device,
         "dtype": plan.dtype,
         "quantization": plan.quantization,
+        **({"embedding": plan.embedding} if plan.embedding != "float" else {}),
         "objective": plan.objective,
         "parallelism": {"tensor": lay.tp, "pipeline": lay.pp, "data": lay.dp,
                         **({"micro_batches": plan.micro_batches} if plan.micro_batches else {})},

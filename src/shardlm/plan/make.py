@@ -93,7 +93,8 @@ def repredict(plan: Plan) -> Plan:
     plan against its model and cluster first: manifest.check_model, manifest.check_devices)."""
     _, family, args = load_model(plan.model.name)
     cluster = cluster_for(plan.cluster)
-    st = Setting(args, family.tp_plan, cluster, plan.dtype, plan.quantization, plan.kv, plan.offload)
+    st = Setting(args, family.tp_plan, cluster, plan.dtype, plan.quantization, plan.kv, plan.offload,
+                 plan.micro_batches, plan.embedding)
     return replace(plan, predictions=predict(st, plan.layout))
 
 

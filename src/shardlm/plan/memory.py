@@ -75,15 +75,17 @@ def _slice_bytes(t: TensorInfo, plan: dict[str, Style], coord: ShardCoord, dtype
 
 
 def shard_weights(args: ModelArgs, plan: dict[str, Style], tp: int, tp_rank: int, dtype: str,
-                  quant: str, device_kind: str = "cpu") -> ShardWeights:
+                  quant: str, device_kind: str = "cpu", embedding: str = "float") -> ShardWeights:
     """Weight bytes of rank `tp_rank` of `tp` on a `device_kind` device ("cpu", "cuda": the quantized layouts
-    differ), from the family's TP plan (replicated parts included)."""
+    differ), from the family's TP plan (replicated parts included). `embedding` "int8": the embedding slice (and
+    a head tied to it) as int8 rows with a scale each."""
     coord = ShardCoord.for_model(args, tp_rank, tp)
     layer = layer_tensors(args, 0)
     shapes = {t.name: _sliced(t, plan, coord) for t in layer}
     others = outer_tensors(args)
     emb = others["embed"]
-    emb_b = tensor_bytes(emb, _sliced(emb, plan, coord), dtype, "none")
+    emb_shape = _sliced(emb, plan, coord)
+    emb_b = linear_bytes(*emb_shape, "int8") if embedding == "int8" else tensor_bytes(emb, emb_shape, dtype, "none")
     head = others.get("head")
     head_shape = _sliced(head or emb, plan, coord)  # a tied head is the embedding's vocabulary slice
     return ShardWeights(

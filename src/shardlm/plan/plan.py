@@ -13,6 +13,8 @@ from shardlm.plan.layout import ParallelLayout
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "int4")
+EMBEDDINGS = ("float", "int8")
+"""How the token embedding (and a head tied to it) may be held: see Plan.embedding."""
 OFFLOAD_TIERS = ("none", "cpu", "disk")
 OBJECTIVES = ("latency", "throughput")
 IMBALANCE_LIMIT = 0.15
@@ -193,6 +195,9 @@ class Plan:
     """Kind of device the ranks run on: cpu | cuda (for a "local" cluster the run's --device decides)."""
     micro_batches: int = 0
     """Micro-batches in flight through the pipeline stages; 0 picks one per stage (capped by the batch)."""
+    embedding: str = "float"
+    """How the token embedding, and an LM head tied to it, are held: float (in `dtype`) | int8 (codes with a
+    scale per row, `--quantize-embedding`)."""
 
     @property
     def world(self) -> int:
@@ -214,7 +219,7 @@ class Plan:
                                 self.offload.dir, self.offload.prefetch),
             kv=self.kv, micro_batches=self.micro_batches, tp_groups=tuple(lay.tp_groups()),
             prev=at(c.stage - 1) if c.stage > 0 else None, next=at(c.stage + 1) if c.stage < lay.pp - 1 else None,
-            first=at(0), last=at(lay.pp - 1))
+            first=at(0), last=at(lay.pp - 1), embedding=self.embedding)
 
 
 @dataclass(frozen=True)
@@ -277,6 +282,8 @@ class RankSpec:
     """Rank of the first stage with the same tp rank (where the last stage sends sampled tokens)."""
     last: int
     """Rank of the last stage with the same tp rank."""
+    embedding: str = "float"
+    """float | int8: the token embedding and a head tied to it as int8 codes (Plan.embedding)."""
 
     @classmethod
     def single(cls, n_layers: int, dtype: str = "float32", quantization: str = "none", device: str = "cpu",

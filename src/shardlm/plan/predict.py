@@ -46,6 +46,8 @@ class Setting:
     """Offloaded layers per stage."""
     micro_batches: int = 0
     """Pipeline micro-batches; 0 picks min(max_batch, pp)."""
+    embedding: str = "float"
+    """float | int8: how the embedding and a head tied to it are held."""
 
 
 def device_map(cluster: Cluster) -> dict[str, Device]:
@@ -63,7 +65,7 @@ def predict(st: Setting, layout: ParallelLayout) -> Predictions:
         raise ValueError(f"device(s) {', '.join(missing)} are not in the cluster {st.cluster.describe()}; "
                          f"use addresses from 0:0 to {st.cluster.devices[-1].address}")
     kinds = {devs[c.device].spec.kind for c in layout.coords()}
-    shards = {(r, k): mem.shard_weights(st.args, st.tp_plan, layout.tp, r, st.dtype, st.quant, k)
+    shards = {(r, k): mem.shard_weights(st.args, st.tp_plan, layout.tp, r, st.dtype, st.quant, k, st.embedding)
               for r in range(layout.tp) for k in kinds}
     memory = tuple(_rank_memory(st, layout, c, shards[c.tp_rank, devs[c.device].spec.kind], devs[c.device])
                    for c in layout.coords())

@@ -56,6 +56,13 @@ class RunFlags:
     """Folder for streamed layers (CPU ranks)."""
     prefetch: bool = True
     """Bring the next streamed layer in while the current one computes."""
+    quantize_embedding: bool = False
+    """Hold the token embedding, and an LM head tied to it, as int8 rows (Plan.embedding "int8")."""
+
+    @property
+    def embedding(self) -> str:
+        """Plan.embedding for these flags."""
+        return "int8" if self.quantize_embedding else "float"
 
     @property
     def tp_degree(self) -> int:
@@ -125,9 +132,9 @@ def budget_offload(flags: RunFlags, family: Family, args: ModelArgs, stages: tup
     tp, quant = flags.tp_degree, flags.quantization
     counts, vocab = [], []
     for s, (a, b) in enumerate(stages):
-        fits = [fit_budget(shard_weights(args, family.tp_plan, tp, r, flags.dtype, quant, flags.device), b - a, s == 0,
-                           s == len(stages) - 1, flags.memory_budget, flags.prefetch, quant != "none",
-                           vocab_ok=flags.device == "cpu") for r in range(tp)]
+        fits = [fit_budget(shard_weights(args, family.tp_plan, tp, r, flags.dtype, quant, flags.device, flags.embedding),
+                           b - a, s == 0, s == len(stages) - 1, flags.memory_budget, flags.prefetch, quant != "none",
+                           vocab_ok=flags.device == "cpu" and not flags.quantize_embedding) for r in range(tp)]
         counts.append(max(f.streamed for f in fits))
         vocab.append(any(f.vocab for f in fits))
     if not any(counts) and not any(vocab):
@@ -149,7 +156,7 @@ def plan_for_run(ref: ModelRef, family: Family, args: ModelArgs, flags: RunFlags
         raise PlanError(str(e)) from e
     req = Request(ref, args, family.tp_plan, cluster, cluster.description if flags.device == "cpu" else "local",
                   flags.dtype, flags.quantization, "latency", kv, tp, pp, flags.layers,
-                  micro_batches=flags.micro_batches or 0)
+                  micro_batches=flags.micro_batches or 0, embedding=flags.embedding)
     counts = flags.layers or balanced_counts(req) or tuple(split_sizes(args.n_layers, pp))
     req = replace(req, layers=counts)
     stages = stages_from_counts(counts)
@@ -185,7 +192,7 @@ def check_local_fit(plan: Plan, ref: ModelRef, family: Family, args: ModelArgs, 
                         "ranks (e.g. shardlm plan MODEL --devices 2xcpu-4GB)") from e
     counts = tuple(b - a for a, b in lay.stage_layers)
     req = Request(ref, args, family.tp_plan, cluster, cluster.description, plan.dtype, plan.quantization, "latency",
-                  kv, lay.tp, lay.pp, counts, micro_batches=plan.micro_batches)
+                  kv, lay.tp, lay.pp, counts, micro_batches=plan.micro_batches, embedding=plan.embedding)
     cand = fixed_candidate(req, plan.offload)
     if cand is not None:
         check_fits(replace(cand.plan, device=plan.device))

@@ -53,6 +53,8 @@ class Request:
     """May layers be streamed from host RAM or disk when nothing else fits (opt-in: host RAM is not modelled)."""
     micro_batches: int = 0
     """Pipeline micro-batches (0: one per stage, capped by the batch)."""
+    embedding: str = "float"
+    """float | int8: how the embedding and a head tied to it are held (Plan.embedding)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def _layer_caps(req: Request, stages: list[TPGroup], devs: dict[str, Device], qu
         first, last = s == 0, s == len(stages) - 1
         cap, t_layer, t_fixed = 10**9, 0.0, 0.0
         for r in range(tp):
-            w = mem.shard_weights(a, req.tp_plan, tp, r, req.dtype, quant, spec.kind)
+            w = mem.shard_weights(a, req.tp_plan, tp, r, req.dtype, quant, spec.kind, req.embedding)
             kv_layer = mem.kv_bytes(a, tp, r, 1, kv.max_batch, kv.max_seq_len, req.dtype)
             act = mem.activation_bytes(a, tp, r, kv.max_batch, kv.prefill_chunk, kv.prefill_chunk, req.dtype, last)
             room = _budget(spec) - act - mem.stage_weight_bytes(w, 0, first, last)
@@ -139,10 +141,12 @@ def _layout(req: Request, groups: list[TPGroup], tp: int, pp: int, dp: int, quan
 
 def _evaluate(req: Request, layout: ParallelLayout, quant: str, offload: Offload) -> Candidate:
     """Predict a layout and check every rank against its device's budget."""
-    st = Setting(req.args, req.tp_plan, req.cluster, req.dtype, quant, req.kv, offload, req.micro_batches)
+    st = Setting(req.args, req.tp_plan, req.cluster, req.dtype, quant, req.kv, offload, req.micro_batches,
+                 req.embedding)
     pred = predict(st, layout)
     plan = Plan(req.model, req.cluster_name, req.dtype, quant, layout, req.kv, req.objective, offload,
-                predictions=pred, device=req.cluster.devices[0].spec.kind, micro_batches=req.micro_batches)
+                predictions=pred, device=req.cluster.devices[0].spec.kind, micro_batches=req.micro_batches,
+                embedding=req.embedding)
     worst = max(pred.memory, key=lambda r: r.total - r.capacity * HEADROOM)
     over = int(worst.total - worst.capacity * HEADROOM)
     if over > 0:
@@ -168,7 +172,8 @@ def _with_offload(req: Request, layout: ParallelLayout, quant: str) -> Candidate
     kinds = {d.address: d.spec.kind for d in req.cluster.devices}
     on_cpu = all(kinds[c.device] == "cpu" for c in layout.coords())
     tier = "disk" if on_cpu else "cpu"  # a GPU streams from host RAM; CPU ranks stream from disk
-    w = mem.shard_weights(req.args, req.tp_plan, layout.tp, 0, req.dtype, quant, "cpu" if on_cpu else "cuda")
+    w = mem.shard_weights(req.args, req.tp_plan, layout.tp, 0, req.dtype, quant, "cpu" if on_cpu else "cuda",
+                          req.embedding)
     base = _evaluate(req, layout, quant, Offload())
     n_off = min(req.args.n_layers, math.ceil(base.overflow / max(w.layer, 1)) + 2)
     if n_off >= req.args.n_layers:

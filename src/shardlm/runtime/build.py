@@ -37,7 +37,7 @@ from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.styles import Rowwise, RowwiseHeads, ShardCoord, param_slices, style_for
 from shardlm.parallel.tensor import RowParallelLinear, parallelize
 from shardlm.plan.plan import RankSpec
-from shardlm.quant import quantize_linear
+from shardlm.quant import quantize_embedding, quantize_linear
 from shardlm.quant_spec import QuantizationError, check_kind, is_quantizable
 from shardlm.runtime.cuda_graph import GraphDecoders
 from shardlm.runtime.offload import LayerStreamer, OffloadError, OffloadStore, trim_heap
@@ -72,6 +72,7 @@ def build_rank_model(spec: RankSpec, source: ModelSource, ctx: ParallelContext, 
         target.close()  # no scratch file outlives a failed load
         raise
     finish_model(model, coord, device)
+    quantize_vocab(model, spec, dtype)
     mark_exact_sums(model, source.family)
     streamer = start_streamer(model, target, extents, vocab, device, spec, settings, offload_io)
     kernels = choose_kernels(model, spec, device, dtype, settings, streamer is not None, mapped)
@@ -160,6 +161,10 @@ def plan_offload(model: nn.Module, spec: RankSpec, device: torch.device, setting
     if not 0 <= off.layers <= len(layers):
         raise OffloadError(f"offload.layers asks to stream {off.layers} layers but this stage has {len(layers)}; "
                            f"give 0 to {len(layers)}")
+    if off.vocab and spec.embedding != "float":
+        raise OffloadError(f"the plan streams stage {spec.stage}'s vocabulary from disk (offload.vocab) and holds the "
+                           f"embedding as {spec.embedding} codes (embedding: {spec.embedding}); only a float embedding "
+                           "streams: set embedding: float, or offload.vocab false for that stage")
     streamed = set(layers[len(layers) - off.layers:])
     vocab = _vocab_names(model, spec) if off.vocab else set()
     if device.type == "cuda":
@@ -284,6 +289,26 @@ def finish_model(model: nn.Module, coord: ShardCoord, device: torch.device) -> N
                 module.set_kv_map(coord.heads.kv_map(coord.rank), device)
     model.eval().requires_grad_(False)
     trim_heap()  # what reading, converting and quantizing freed
+
+
+def quantize_vocab(model: nn.Module, spec: RankSpec, dtype: torch.dtype) -> None:
+    """Embedding "int8" (`--quantize-embedding`): the embedding becomes int8 rows with a scale each, and an LM head
+    tied to it multiplies by those same codes through the int8 kernel (the float table is dropped). A last stage
+    without the embedding quantizes its copy of the tied head the same way, row by row, so every layout holds the
+    same codes. An untied head is left as `--quantization` made it."""
+    if spec.embedding == "float":
+        return
+    codes = None
+    if model.model.embed_tokens is not None:
+        model.model.embed_tokens = quantize_embedding(model.model.embed_tokens, dtype)
+        codes = model.model.embed_tokens.kernel_weight
+    if model.lm_head is not None and model.args.tie_embeddings:
+        head = fast_linear(model, "lm_head")
+        if codes is None:
+            quantize_linear(head, "int8")
+        else:
+            head.kernel_weight, head.weight = codes, None
+    trim_heap()  # the float table
 
 
 def mark_exact_sums(model: nn.Module, family: Family) -> None:

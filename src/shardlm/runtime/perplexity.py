@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -62,10 +62,13 @@ def score(model, ids: list[int], window: int, max_seq_len: int) -> tuple[float, 
 
 
 def perplexity(source: ModelSource, text: str, tokenizer, dtype: str = "float32", quantization: str | None = None,
-               window: int = 512, device: str = "cpu", settings: Settings | None = None) -> PerplexityResult:
-    """Perplexity of the model in `source` (loaded on one rank on `device`) on `text`."""
+               window: int = 512, device: str = "cpu", settings: Settings | None = None,
+               embedding: str = "float") -> PerplexityResult:
+    """Perplexity of the model in `source` (loaded on one rank on `device`, its embedding held as `embedding`:
+    float or int8) on `text`."""
     t0 = time.perf_counter()
     spec = RankSpec.single(source.args.n_layers, dtype, quantization or "none", "cuda" if device != "cpu" else "cpu")
+    spec = replace(spec, embedding=embedding)
     rank = build_rank_model(spec, source, ParallelContext(), settings, device)
     ids = tokenizer(text)["input_ids"]
     if len(ids) < 2:

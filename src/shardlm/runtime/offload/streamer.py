@@ -143,7 +143,8 @@ class LayerStreamer:
         if self.embed is not None and embed_slot:
             self.handles.append(self.embed.register_forward_hook(
                 lambda m, a, o: self.store.release_range(*embed_slot, self.uncached)))
-        tied = self.head is not None and self.embed is not None and self.head.weight is self.embed.weight
+        tied = self.head is not None and self.embed is not None and self.head.weight is not None \
+            and self.head.weight is getattr(self.embed, "weight", None)  # not an int8 table (no float weight)
         head_slot = self.vocab_slots.get("lm_head.weight") or (embed_slot if tied else None)
         if self.head is not None and head_slot:
             self.head.kernel_weight = MappedHead(self.head.weight, self.store, *head_slot, self.stats, self.uncached)
