@@ -14,6 +14,8 @@ from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.launch import run_on_ranks
 from shardlm.parallel.styles import ShardCoord, param_slices
 from shardlm.quant import Int4Weight, Int8Weight
+from shardlm.runtime.protocol import SamplingParams
+from shardlm.runtime.step import Batch, attention_mask, generate, positions_for
 from shardlm.settings import Settings
 
 
@@ -95,3 +97,35 @@ def test_an_int8_embedding_and_its_tied_head_hold_the_tp1_codes_at_any_layout(tm
         for name, w in got.items():
             sl = param_slices(f"{name}.weight", tuple(whole[name].shape), family.tp_plan, coord)
             assert torch.equal(w, whole[name][sl]), f"tp {tp} rank {rank} {name}"
+
+
+# head_dim 32 (o_proj splits on block boundaries at any tp) and an MLP width of 200 = 6 blocks of 32 + 8
+MISALIGNED = {**PRESETS["debug"], "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@torch.no_grad()
+def _logits_and_tokens(rank, world, folder, kind, prompts, n_new):
+    model = build(folder, rank, ParallelContext(rank, world), tp=world, quantization=kind)
+    batch = Batch.from_lists(prompts)
+    s = batch.tokens.shape[1]
+    logits = model(batch.tokens, positions_for(batch.valid), attention_mask(batch.valid, 0, s, None))
+    return logits, generate(model, batch, n_new, SamplingParams(), ()), model.kernels.describe()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_outputs_are_bitwise_layout_free_when_the_mlp_width_is_not_a_multiple_of_32_per_rank(tmp_path, kind):
+    """The MLP width splits in whole blocks of 32 (tp 3: columns [0, 64), [64, 128), [128, 200); an even split would
+    start ranks at 67 and 134, inside the blocks the kernels quantize inputs in), so every rank's down-projection
+    partial sums add up to the one-rank sums bit for bit: logits and tokens equal at tp 1, 2 and 3."""
+    folder = write_random_checkpoint(MISALIGNED, tmp_path / "m", seed=6)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 1001, (n,), generator=g).tolist() for n in (19, 7)]
+    one_logits, one_tokens, kernels = run_on_ranks(_logits_and_tokens, 1, str(folder), kind, prompts, 6,
+                                                   timeout_s=120)[0]
+    if "gemv" not in kernels:
+        pytest.skip(f"the compiled kernels are not available here ({kernels}); exactness is theirs")
+    for tp in (2, 3):
+        for rank, (logits, tokens, _) in enumerate(run_on_ranks(_logits_and_tokens, tp, str(folder), kind, prompts, 6,
+                                                                 timeout_s=180)):
+            assert torch.equal(logits, one_logits), f"tp {tp} rank {rank}: max diff {(logits - one_logits).abs().max()}"
+            assert tokens == one_tokens, f"tp {tp} rank {rank}"

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from shardlm.parallel.split import HeadSplit, split_range, split_sizes
+from shardlm.parallel.split import BLOCK, HeadSplit, block_range, split_range, split_sizes
 
 
 @given(n=st.integers(1, 5000), parts=st.integers(1, 64))
@@ -17,6 +17,27 @@ def test_split_sizes_cover_and_differ_by_at_most_one(n, parts):
     ranges = [split_range(n, parts, i) for i in range(parts)]
     assert ranges[0][0] == 0 and ranges[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@given(n=st.integers(1, 30000), parts=st.integers(1, 64))
+def test_block_ranges_cover_start_on_blocks_and_stay_nearly_even(n, parts):
+    if parts > n:
+        return  # split_range refuses it (above)
+    ranges = [block_range(n, parts, i) for i in range(parts)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    if n // BLOCK < parts:  # too few blocks: the plain split
+        assert ranges == [split_range(n, parts, i) for i in range(parts)]
+        return
+    assert all(a % BLOCK == 0 for a, _ in ranges)
+    whole = [(b - a) // BLOCK for a, b in ranges]
+    assert max(whole) - min(whole) <= 1 and min(whole) >= 1
+
+
+def test_mlp_widths_split_in_blocks():
+    # llama-2-7b's 11008 at tp 3 (an even split would start ranks at 3670 and 7339, inside blocks)
+    assert [block_range(11008, 3, r) for r in range(3)] == [(0, 3680), (3680, 7360), (7360, 11008)]
+    assert [block_range(1536, 2, r) for r in range(2)] == [split_range(1536, 2, r) for r in range(2)]  # as before
+    assert [block_range(200, 3, r) for r in range(3)] == [(0, 64), (64, 128), (128, 200)]
 
 
 @given(kv=st.integers(1, 16), group=st.integers(1, 8), data=st.data())

@@ -24,6 +24,22 @@ def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + sizes[index]
 
 
+BLOCK = 32
+"""Columns the quantized kernels take together (csrc/qrows.h quantizes inputs in blocks of 32; int4 groups are 32
+wide): the MLP width is split in whole blocks, so that every rank's slice of a row-parallel weight starts on a block
+boundary and its partial sums add up to what one rank computes (see shardlm.quant)."""
+
+
+def block_range(n: int, parts: int, index: int, block: int = BLOCK) -> tuple[int, int]:
+    """[start, stop) of chunk `index` of `n` items split into `parts` runs of whole `block`s, nearly even (larger
+    first); the last chunk also takes the `n % block` remainder. With fewer blocks than parts, `split_range`."""
+    blocks = n // block
+    if blocks < parts:
+        return split_range(n, parts, index)
+    a, b = split_range(blocks, parts, index)
+    return a * block, n if index == parts - 1 else b * block
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """Query heads split into `tp` contiguous chunks; each rank holds the KV heads its chunk reads.

@@ -13,7 +13,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Protocol
 
-from shardlm.parallel.split import HeadSplit, split_range
+from shardlm.parallel.split import HeadSplit, block_range, split_range
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,17 @@ class EvenRows:
 
 
 @dataclass(frozen=True)
-class Colwise(EvenRows):
-    """Column-parallel linear over a plain dimension (MLP gate/up): output rows split nearly evenly."""
+class Colwise:
+    """Column-parallel linear over a plain dimension (MLP gate/up): output rows split nearly evenly in whole blocks
+    (`split.block_range`), the columns the row-parallel down projection then takes."""
+
+    def out_range(self, out_features: int, coord: ShardCoord) -> tuple[int, int]:
+        """[start, stop) output rows of this rank."""
+        return block_range(out_features, coord.tp, coord.rank)
+
+    def slices(self, param, shape, coord):
+        """Rows of `out_range`, for the weight and the bias alike."""
+        return _rows(*self.out_range(shape[0], coord), shape)
 
 
 @dataclass(frozen=True)
@@ -106,13 +115,17 @@ class RowwiseHeads:
 
 @dataclass(frozen=True)
 class Rowwise:
-    """Row-parallel linear over a plain dimension (MLP down): input columns split nearly evenly."""
+    """Row-parallel linear over a plain dimension (MLP down): input columns split nearly evenly in whole blocks."""
+
+    def in_range(self, in_features: int, coord: ShardCoord) -> tuple[int, int]:
+        """[start, stop) input columns of this rank (the rows Colwise gives the layer before)."""
+        return block_range(in_features, coord.tp, coord.rank)
 
     def slices(self, param, shape, coord):
-        """Columns [start, stop) of `split_range(in_features, tp, rank)`; the whole bias."""
+        """Columns of `in_range`; the whole bias."""
         if param == "bias":
             return full_slices(shape)
-        return (slice(0, shape[0]), slice(*split_range(shape[1], coord.tp, coord.rank)))
+        return (slice(0, shape[0]), slice(*self.in_range(shape[1], coord)))
 
 
 @dataclass(frozen=True)

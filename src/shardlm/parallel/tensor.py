@@ -99,13 +99,13 @@ def build_local(style: Style, module: nn.Module, coord: ShardCoord, ctx: Paralle
         a, b = style.out_range(coord)
         return _linear(module.in_features, b - a, bias)
     if isinstance(style, Colwise):
-        a, b = split_range(module.out_features, coord.tp, coord.rank)
+        a, b = style.out_range(module.out_features, coord)
         return _linear(module.in_features, b - a, bias)
     if isinstance(style, RowwiseHeads):
         a, b = style.in_range(coord)
         return RowParallelLinear(b - a, module.out_features, bias, ctx, a, module.in_features)
     if isinstance(style, Rowwise):
-        a, b = split_range(module.in_features, coord.tp, coord.rank)
+        a, b = style.in_range(module.in_features, coord)
         return RowParallelLinear(b - a, module.out_features, bias, ctx, a, module.in_features)
     if isinstance(style, VocabEmbedding):
         a, b = split_range(module.num_embeddings, coord.tp, coord.rank)

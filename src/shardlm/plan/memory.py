@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shardlm.models.args import ModelArgs
 from shardlm.models.inventory import TensorInfo, layer_tensors, outer_tensors
-from shardlm.parallel.split import HeadSplit, split_range
+from shardlm.parallel.split import HeadSplit, block_range, split_range
 from shardlm.parallel.styles import ShardCoord, Style, param_slices
 from shardlm.quant_spec import linear_bytes
 
@@ -144,7 +144,7 @@ def activation_bytes(args: ModelArgs, tp: int, tp_rank: int, batch: int, chunk: 
     g = split.group
     if hkv > 1 and (q0 % g or q1 % g):
         attn += 2 * batch * hq * context * hd * e  # irregular groups gather K/V per query head
-    f0, f1 = split_range(args.intermediate_size, tp, tp_rank)
+    f0, f1 = block_range(args.intermediate_size, tp, tp_rank)  # the MLP styles' split
     mlp = 3 * tokens * (f1 - f0) * e
     v0, v1 = split_range(args.vocab_size, tp, tp_rank)
     logits = batch * ((v1 - v0) + args.vocab_size) * 4 if last else 0
