@@ -49,7 +49,8 @@ ACT_DTYPE = torch.bfloat16
 
 @dataclass
 class Int8Weight:
-    """int8 weight (out, in + pad) and one scale per output row (out,) in ACT_DTYPE.
+    """int8 weight (out, in + pad) and one scale per output row (out,): bfloat16 values, held as float32 on the CPU
+    (what our kernels read, so no step converts them) and as ACT_DTYPE on CUDA (what torch's kernel takes).
 
     `pad` zero columns make the width a multiple of INT8_ALIGN (a kernel requirement).
     """
@@ -74,7 +75,7 @@ class Int8Weight:
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
         if self.pad:
             x2 = F.pad(x2, (0, self.pad))  # (rows, in + pad): zeros meet the zero columns
-        y = torch._weight_int8pack_mm(x2.contiguous(), self.q, self.scale)  # (rows, out)
+        y = torch._weight_int8pack_mm(x2.contiguous(), self.q, self.scale.to(ACT_DTYPE))  # (rows, out)
         return y.view(*lead, self.q.shape[0]).to(x.dtype)
 
     @property
@@ -170,7 +171,8 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, device: torch.device | str |
         q, scale = q.to(device), scale.to(device)
     pad = -q.shape[1] % INT8_ALIGN
     q = F.pad(q, (0, pad)) if pad else q  # (out, in + pad)
-    return Int8Weight(q.contiguous(), scale.to(ACT_DTYPE), pad)
+    scale = scale.to(ACT_DTYPE)  # the stored precision on every device
+    return Int8Weight(q.contiguous(), scale if q.is_cuda else scale.float(), pad)
 
 
 def quantize_int8(w: torch.Tensor, ctx=None) -> Int8Weight:  # packed where `w` is

@@ -127,7 +127,9 @@ inline Linear linear_of(const std::vector<torch::Tensor>& ws, const std::optiona
               pads->size(), " paddings");
   if (!scales.has_value()) return {ws[i], torch::Tensor(), 0};
   const torch::Tensor& s = (*scales)[i];
-  const auto scale = ws[i].scalar_type() == torch::kChar ? s.to(torch::kFloat).contiguous() : s;
+  // int8 scales arrive float32 from the CPU's Int8Weight (shardlm.quant); anything else is converted
+  const bool convert = ws[i].scalar_type() == torch::kChar && (s.scalar_type() != torch::kFloat || !s.is_contiguous());
+  const auto scale = convert ? s.to(torch::kFloat).contiguous() : s;
   return {ws[i], scale, pads.has_value() ? (*pads)[i] : 0};
 }
 

@@ -65,6 +65,10 @@ inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, Quan
 }
 
 #if defined(__AVX2__)
+// The quantized tiles ask for the weight rows PREFETCH_ROWS ahead of the ones they multiply: with codes a
+// quarter or an eighth of float32's bytes per multiply, the hardware prefetcher alone left the loop waiting on
+// memory (int8 1536 x 576 from DRAM: 82 us without, 45 us with 16 rows ahead; 8, 32 and 64 were no better).
+constexpr int64_t PREFETCH_ROWS = 16;
 // A block of 32 weight codes as two vectors of 16 int16 (columns 0-15 and 16-31).
 struct Codes16 {
   __m256i lo, hi;
@@ -171,6 +175,7 @@ __attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, c
     __m256 d[J];
     for (int j = 0; j < J; ++j) d[j] = _mm256_set1_ps(x.scales[(j0 + j) * x.blocks + blk]);
     for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + r + PREFETCH_ROWS) * ldw + blk * QBLOCK), _MM_HINT_T0);
       const Codes16 wv = widen_int8(w + (r0 + r) * ldw + blk * QBLOCK);
       for (int j = 0; j < J; ++j)
         P::add(acc[r][j], block_dot(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
@@ -217,6 +222,10 @@ __attribute__((always_inline)) inline void q4tile(const uint8_t* w, const uint16
   for (int64_t g = 0; g < groups; ++g) {
     for (int r = 0; r < R; ++r) {
       const uint8_t* wg = w + (r0 + r) * ldw + g * 16;
+#if defined(__AVX2__)
+      _mm_prefetch(reinterpret_cast<const char*>(wg + PREFETCH_ROWS * ldw), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(sz + ((r0 + r + PREFETCH_ROWS) * groups + g) * 2), _MM_HINT_T0);
+#endif
       const float s = bf16_to_float(sz[((r0 + r) * groups + g) * 2]);
       const float m = bf16_to_float(sz[((r0 + r) * groups + g) * 2 + 1]) - 8.f * s;
 #if defined(__AVX2__)

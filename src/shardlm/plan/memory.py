@@ -85,7 +85,7 @@ def shard_weights(args: ModelArgs, plan: dict[str, Style], tp: int, tp_rank: int
     others = outer_tensors(args)
     emb = others["embed"]
     emb_shape = _sliced(emb, plan, coord)
-    emb_b = linear_bytes(*emb_shape, "int8") if embedding == "int8" else tensor_bytes(emb, emb_shape, dtype, "none")
+    emb_b = linear_bytes(*emb_shape, "int8", device_kind=device_kind) if embedding == "int8" else tensor_bytes(emb, emb_shape, dtype, "none")
     head = others.get("head")
     head_shape = _sliced(head or emb, plan, coord)  # a tied head is the embedding's vocabulary slice
     return ShardWeights(
