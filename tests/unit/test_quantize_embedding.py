@@ -88,3 +88,12 @@ def test_a_memory_budget_streams_layers_not_the_int8_vocabulary(tied_model):
     assert plan.offload.tier == "disk" and sum(plan.offload.layers) > 0 and not any(plan.offload.vocab)
     rank = build(tied_model, quantize_embedding=True, memory_budget=1_000_000)
     assert isinstance(rank.module.model.embed_tokens, Int8Embedding)
+
+
+def test_cpu_ranks_are_planned_to_all_reduce_quantized_partial_sums_in_float64(tied_model):
+    """Row-parallel quantized layers all-reduce float64 partial sums on CPU ranks (shardlm.quant): the planner
+    counts those bytes, so their collectives cost more than float32 ones."""
+    def collectives(quantization):
+        plan = plan_for(tied_model, tp=2, quantization=quantization)[0]
+        return plan.predictions.performance.breakdown["collectives"]
+    assert collectives("int8") > collectives("none") > 0

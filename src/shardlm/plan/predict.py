@@ -139,8 +139,9 @@ def _active_counts(layout: ParallelLayout, devs: dict[str, Device], m: int) -> d
 
 
 def _work(st: Setting, layout: ParallelLayout, stage: int, tp_rank: int, w: mem.ShardWeights, batch: int,
-          tokens: int, context: int) -> StageWork:
-    """One forward of `batch` sequences x `tokens` new tokens each, attending to `context` positions."""
+          tokens: int, context: int, kind: str = "cpu") -> StageWork:
+    """One forward of `batch` sequences x `tokens` new tokens each, attending to `context` positions, on a `kind`
+    device (CPU ranks all-reduce quantized layers' partial sums in float64: shardlm.quant)."""
     a = st.args
     n, first, last = _stage_facts(layout, stage)
     e = mem.DTYPE_BYTES[st.dtype]
@@ -153,7 +154,9 @@ def _work(st: Setting, layout: ParallelLayout, stage: int, tp_rank: int, w: mem.
     kv = 2 * n * batch * (k1 - k0) * context * a.head_dim * e if tokens == 1 else 0
     flops = 2 * t * (n * w.layer_params + (w.head_params if last else 0)) + 4 * t * n * (q1 - q0) * a.head_dim * context
     reduces = 2 * n + (1 if first and layout.tp > 1 else 0)  # one after attention, one after the MLP; embedding
-    return StageWork(weights, kv, flops, n, reduces, t * a.dim * e, batch * a.vocab_size * 4 if last else 0,
+    layer_e = 8 if st.quant != "none" and kind == "cpu" else e  # the layers' reduces; the embedding's is in dtype
+    reduce_bytes = t * a.dim * (2 * n * layer_e + (reduces - 2 * n) * e) / max(reduces, 1)  # mean per all-reduce
+    return StageWork(weights, kv, flops, n, reduces, reduce_bytes, batch * a.vocab_size * 4 if last else 0,
                      _offloaded(st, stage) * w.layer_streamed)
 
 
@@ -173,8 +176,9 @@ def _stage_times(st, layout, shards, devs, m, batch, tokens, context) -> list[di
         for r in range(layout.tp):
             dev = devs[layout.devices[0][s][r]]
             rate = _rate(dev, active.get((dev.node, s), 1), st.cluster, not graphs_apply(st, layout))
-            t = stage_time(_work(st, layout, s, r, shards[r, dev.spec.kind], batch, tokens, context), rate, layout.tp,
-                           dev.spec.link_latency, dev.spec.link_bandwidth, offload_bandwidth(st.offload.tier, dev))
+            work = _work(st, layout, s, r, shards[r, dev.spec.kind], batch, tokens, context, dev.spec.kind)
+            t = stage_time(work, rate, layout.tp, dev.spec.link_latency, dev.spec.link_bandwidth,
+                           offload_bandwidth(st.offload.tier, dev))
             worst = t if worst is None or t["total"] > worst["total"] else worst
         out.append(worst)
     return out
