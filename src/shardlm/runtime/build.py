@@ -343,5 +343,5 @@ def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype
         return KernelChoice("cuda", 0, settings.cuda_graphs and not streaming and spec.tp == 1 and spec.pp == 1)
     mode, ext = choose_mode(settings.kernels, settings.kernel_dir)
     install_linears(model, mode, ext, keep=mapped)
-    fused = install_fused(model, ext, dtype) if settings.fused and mode == "gemv" else 0
+    fused = install_fused(model, ext, dtype, fixed=not streaming) if settings.fused and mode == "gemv" else 0
     return KernelChoice(mode, fused, False)
