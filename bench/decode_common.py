@@ -1,0 +1,192 @@
+"""Shared by the decode benchmarks: CPU accounting on a shared host, the quiet gate, bandwidth, the machine, and
+the RESULTS.md section writer (bench/decode.py, bench/decode_vs_commit.py and the checkpoint benchmarks use them)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from shardlm.atomic import atomic_file
+
+QUIET_CPU = 0.10  # other processes may use at most this share of the cores before a sample starts
+RETRY_CPU = 0.20  # a sample during which they used more is taken again ...
+TRIES = 3  # ... up to this many times in all; the last try is kept either way
+QUIET_WAIT_S = 45.0  # longest wait for quiet before one try
+QUIET_BUDGET_S = 300.0  # longest total time spent waiting and on discarded tries in one run
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+# ---------------------------------------------------------------- CPU accounting
+
+
+def _cpu_busy_s() -> float:
+    """Seconds of non-idle CPU on the whole machine since boot (all cores; steal counted as busy)."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = f[3] + f[4]  # idle + iowait
+    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds used by this process and its live children (the rank processes)."""
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+class ForeignCpu:
+    """Share of the cores used by processes other than this benchmark over a timed section."""
+
+    def __enter__(self) -> "ForeignCpu":
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _cpu_busy_s(), _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self.t0
+        foreign = (_cpu_busy_s() - self.busy0) - (_own_cpu_s() - self.own0)
+        self.share = max(0.0, foreign / max(wall * (os.cpu_count() or 1), 1e-9))
+
+
+@dataclass
+class QuietGate:
+    """Wait until other processes leave the cores nearly idle, within a per-sample and a total budget."""
+
+    budget_s: float
+    waited_s: float = 0.0
+    """Time spent waiting for quiet and on discarded tries."""
+    retried: int = 0
+
+    @property
+    def spent(self) -> bool:
+        return self.waited_s >= self.budget_s
+
+    def wait(self) -> None:
+        """Return once a 1 s window had other processes below QUIET_CPU (or the budget ran out)."""
+        deadline = time.monotonic() + min(QUIET_WAIT_S, max(0.0, self.budget_s - self.waited_s))
+        t0 = time.monotonic()
+        while True:
+            with ForeignCpu() as fc:
+                time.sleep(1.0)
+            if fc.share < QUIET_CPU or time.monotonic() >= deadline:
+                break
+        self.waited_s += max(0.0, time.monotonic() - t0 - 1.0)
+
+    def measure(self, fn) -> tuple[float, tuple]:
+        """Run `fn` after waiting for quiet; again (up to TRIES) while other processes took the cores."""
+        for attempt in range(TRIES):
+            self.wait()
+            t0 = time.monotonic()
+            with ForeignCpu() as fc:
+                result = fn()
+            if fc.share <= RETRY_CPU or attempt == TRIES - 1 or self.spent:
+                return fc.share, result
+            self.retried += 1
+            self.waited_s += time.monotonic() - t0
+        raise AssertionError("unreachable")
+
+
+@dataclass
+class Sample:
+    value: float  # tokens per second
+    foreign: float  # share of the cores other processes used meanwhile
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- bandwidth
+
+
+def measure_bandwidth(read_mib: int = 1024, copy_mib: int = 512, reps: int = 10) -> dict[str, float]:
+    """GB/s (1e9 bytes) on this process's threads: sum over `read_mib`, copy of `copy_mib` (bytes read)."""
+    big = torch.ones(read_mib * 2**20 // 4)
+    big.sum()  # first touch and warm-up
+    t_sum = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        big.sum()
+        t_sum.append(time.perf_counter() - t0)
+    read = big.nbytes / statistics.median(t_sum) / 1e9
+    del big
+    a = torch.ones(copy_mib * 2**20 // 4)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t_copy = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        t_copy.append(time.perf_counter() - t0)
+    copy = a.nbytes / statistics.median(t_copy) / 1e9
+    return {"read": read, "copy": copy}
+
+
+def machine_info() -> dict[str, str]:
+    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    import transformers
+
+    return {
+        "cores": f"{os.cpu_count()} (nproc {len(os.sched_getaffinity(0))})",
+        "cpu": f"{model} ({isa})",
+        "ram": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def med(samples: list[Sample] | None) -> float | None:
+    return statistics.median(s.value for s in samples) if samples else None
+
+
+def cell(samples: list[Sample] | None) -> str:
+    if not samples:
+        return "-"
+    vals = [s.value for s in samples]
+    m = statistics.median(vals)
+    return f"{m:.1f}" if len(vals) == 1 else f"{m:.1f} ({min(vals):.1f}-{max(vals):.1f})"
+
+
+def fmt_ratio(value: float | None, unit: str) -> str:
+    """A ratio as a percentage or a multiple; "-" when it was not measured."""
+    if value is None:
+        return "-"
+    return f"{value:.0%}" if unit == "%" else f"{value:.2f}x"
+
+
+def write_section(text: str, heading: str) -> None:
+    """Replace the section of RESULTS.md under `heading` (up to the next '## ' heading) with `text`,
+    or append it; every benchmark script records its results through this."""
+    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    lines = old.splitlines()
+    try:
+        start = lines.index(heading)
+    except ValueError:
+        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        rest = "\n".join(lines[end:])
+        new = "\n".join(lines[:start]) + "\n" + text.rstrip("\n") + "\n" + ("\n" + rest + "\n" if rest else "")
+    with atomic_file(RESULTS) as f:
+        f.write(new)
+
+
