@@ -147,8 +147,14 @@ def _share_bytes(folder: Path) -> None:
 
 
 def _swap_shape(folder: Path) -> None:
-    f, name = _file_with(folder, "mlp.down_proj")
-    header, data = _read_header(f)
+    # a non-square slice (at tp 2 the debug shape's rank 0 holds a 96 x 96 block of down_proj, whose swap is no change)
+    for f in sorted(folder.rglob("*.safetensors")):
+        header, data = _read_header(f)
+        name = next((n for n in header if "mlp.down_proj" in n and len(set(header[n]["shape"])) == 2), None)
+        if name:
+            break
+    else:
+        raise AssertionError("no non-square down_proj slice to alter")
     header[name]["shape"] = header[name]["shape"][::-1]
     _write_header(f, header, data)
     _rerecord(folder)
