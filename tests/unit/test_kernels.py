@@ -223,3 +223,20 @@ def test_a_nan_input_gives_nan_rows_not_garbage(ext):
     for run in (lambda t: ext.gemv_int8(t, q8.q, q8.scale), lambda t: ext.gemm_int4(t, q4.packed, q4.scales_zeros, 0)):
         clean, got = run(x), run(bad)
         assert torch.isnan(got[1]).all() and torch.equal(got[[0, 2]], clean[[0, 2]])
+
+
+def test_bfloat16_prefill_rows_are_multiplied_in_float32_without_bfloat16_units(monkeypatch):
+    """Without avx512_bf16/AMX, oneDNN's bfloat16 matmul is several times slower than float32 (measured), so many
+    bfloat16 rows are multiplied in float32 and rounded once; with the units the bfloat16 matmul runs."""
+    from shardlm.kernels import linear
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 96, generator=g).bfloat16()  # (rows, in): more rows than the decode loop takes
+    w = (torch.randn(64, 96, generator=g) * 0.1).bfloat16()  # (out, in)
+    monkeypatch.setattr(linear, "bf16_units", lambda: False)
+    via_float = linear.matmul_t(x, w)
+    assert via_float.dtype == torch.bfloat16 and torch.equal(via_float, F.linear(x.float(), w.float()).bfloat16())
+    monkeypatch.setattr(linear, "bf16_units", lambda: True)
+    native = linear.matmul_t(x, w)
+    assert torch.equal(native, F.linear(x, w))
+    torch.testing.assert_close(native.float(), via_float.float(), rtol=2e-2, atol=2e-2)  # both round to bfloat16

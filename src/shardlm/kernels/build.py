@@ -8,6 +8,7 @@ no headers) is remembered as None and logged once, and the callers fall back to 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import platform
@@ -31,6 +32,23 @@ def cpu_tag() -> str:
     except OSError:
         pass
     return hashlib.sha1(info.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo), read once; empty where the file is missing."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+def bf16_units() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (avx512_bf16 or AMX), where oneDNN's bfloat16 matmul is
+    fast; without them it is several times slower than float32 (46 ms against 7 ms for 512 x 576 @ 576 x 1536 on
+    an AVX2 host, measured)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def extension(kernel_dir: Path):

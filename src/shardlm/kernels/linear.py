@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.kernels.build import bf16_units
+
 GEMV_MAX_ROWS = 16
 """Inputs with at most this many rows (decode batches) use the compiled kernel."""
 
@@ -33,9 +35,13 @@ def use_gemv(x: torch.Tensor, gemv) -> bool:
 
 
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, gemv=None) -> torch.Tensor:
-    """x (..., in) @ weight^T -> (..., out) for a plain weight: `gemv`'s loop for few rows, else F.linear."""
+    """x (..., in) @ weight^T -> (..., out) for a plain weight: `gemv`'s loop for few rows, else F.linear. Many
+    bfloat16 rows on a CPU without bfloat16 units (prefill) are multiplied in float32 and rounded once, which is
+    what the bfloat16 matmul computes too, several times faster there (kernels.build.bf16_units)."""
     if use_gemv(x, gemv):
         return gemv.gemv(x, weight)  # (..., out), accumulated in float32
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu" and not bf16_units():
+        return F.linear(x.float(), weight.float()).to(torch.bfloat16)  # (..., out)
     return F.linear(x, weight)
 
 
