@@ -120,15 +120,17 @@ def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
     alone = torch.cat([ext.gemv_int8(x[j:j + 1], qw.q, qw.scale) for j in range(16)])
     for b in (2, 3, 5, 16):
         assert torch.equal(ext.gemv_int8(x[:b], qw.q, qw.scale), alone[:b]), b
-    qw.gemv = ext  # the module path: few rows through the kernel, more through torch's int8 matmul
-    torch.testing.assert_close(qw.matmul_t(x[:2]), got[:2])
+    qw.gemv = ext  # the module path: rows of one position each (decode) through the integer kernel
+    assert torch.equal(qw.matmul_t(x[:2]), got[:2])
     many = torch.randn(40, k, generator=g)
     want = many @ dequantized.T
-    assert (qw.matmul_t(many) - want).abs().max() <= 1e-2 * want.abs().max()  # torch's kernel: bf16 activations
+    assert (qw.matmul_t(many) - want).abs().max() <= 1e-3 * want.abs().max()
 
 
 def test_int8_kernel_names_its_instructions_and_refuses_a_bad_width(ext):
-    assert ext.int8_units() == ("avx2" if " avx2 " in open("/proc/cpuinfo").read() else "scalar")
+    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    vnni = "+avx512vnni" if {"avx512_vnni", "avx512vl"} <= flags else "+avxvnni" if "avx_vnni" in flags else ""
+    assert ext.int8_units() == ("avx2" + vnni if "avx2" in flags else "scalar")
     with pytest.raises(RuntimeError, match="k rounded up to 32"):
         ext.gemv_int8(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
 

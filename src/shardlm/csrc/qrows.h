@@ -85,17 +85,29 @@ inline Codes16 widen_nibbles(const uint8_t* w) {  // 16 bytes: low nibbles colum
           _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low))};
 }
 
-// Eight int32 lanes of sum w[i] * x[i] over one block of 32 (int16 products, adjacent pairs summed).
+// Eight int32 lanes of sum w[i] * x[i] over one block of 32 (int16 products, adjacent pairs summed). With VNNI
+// (AVX512-VNNI or AVX-VNNI) the second half's products are added by the dot-product instruction itself: one
+// instruction fewer per block, the same integers (neither form saturates).
 inline __m256i block_dot(const Codes16& w, const int16_t* x) {
   const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(_mm256_madd_epi16(w.lo, xl), w.hi, xh);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w.lo, xl), w.hi, xh);
+#else
   return _mm256_add_epi32(_mm256_madd_epi16(w.lo, xl), _mm256_madd_epi16(w.hi, xh));
+#endif
 }
 #endif
 
 // The instructions the integer dot products were built for (the build is -march=native: this CPU's).
 inline std::string int8_units() {
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx2+avx512vnni";
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+  return "avx2+avxvnni";
+#elif defined(__AVX2__)
   return "avx2";
 #else
   return "scalar";
