@@ -1,10 +1,12 @@
 """Weight-only quantization of linear layers: int8 per output channel, int4 in groups along the input.
 
-Kernels. On the CPU, our own (csrc/qrows.h, through the compiled kernels) for every product, decode and
-prefill: each input row is quantized to int16 in blocks of 32 and meets the int8 or int4 codes in the CPU's
-integer units, so codes are never widened to float; int4 codes are stored in that kernel's layout
-(`pack_int4`). The o and down projections (`exact`) sum in double so that tensor-parallel partial sums add up
-to the one-rank result bit for bit. Without the compiled kernels, int8 goes through PyTorch's
+Kernels. On the CPU, our own, through the compiled kernels. Decode (one position a row, csrc/qrows.h): each
+input row is quantized to int16 in blocks of 32 and meets the int8 or int4 codes in the CPU's integer units, so
+codes are never widened to float and are read once; int4 codes are stored in that kernel's layout (`pack_int4`).
+Prefill (csrc/qgemm.h, `kernels.linear.prefill_rows`): panels of 16 weight rows (32 with AVX-512) are widened
+to float32 once per call and meet the float activations in FMA tiles, as float32 weights do. The o and down projections (`exact`) sum in
+double (by blocks of 32 columns in prefill) so that tensor-parallel partial sums add up to the one-rank result
+bit for bit. Without the compiled kernels, int8 goes through PyTorch's
 `aten._weight_int8pack_mm` (bfloat16 activations) and int4 is dequantized per product. On CUDA, PyTorch's
 `_weight_int8pack_mm` and the tinygemm int4 kernel `aten._weight_int4pack_mm` (sm80 and later), the ones
 torchao's weight-only layouts dispatch to. We call them directly rather than through torchao: torchao 0.18's
@@ -41,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.kernels.linear import prefill_rows
 from shardlm.quant_spec import INT4_GROUP, INT8_ALIGN
 
 ACT_DTYPE = torch.bfloat16
@@ -70,7 +73,8 @@ class Int8Weight:
     def matmul_t(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
         """x (..., in) -> (..., out) = x @ (q * scale)^T; `wide`: float64 when our kernel runs (else x's dtype)."""
         if self.gemv is not None and not x.is_cuda:
-            return self.gemv.gemv_int8(x, self.q, self.scale, self.exact, wide)  # (..., out)
+            kernel = self.gemv.prefill_int8 if prefill_rows(x) else self.gemv.gemv_int8
+            return kernel(x, self.q, self.scale, self.exact, wide)  # (..., out)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
         if self.pad:
@@ -120,8 +124,8 @@ class Int4Weight:
         """x (..., in) -> (..., out); `wide`: float64 when our kernel runs (else x's dtype)."""
         if not self.packed.is_cuda:
             if self.gemv is not None:
-                return self.gemv.gemm_int4(x, self.packed, self.scales_zeros, self.pad_left, self.exact,
-                                           wide)  # (..., out)
+                kernel = self.gemv.prefill_int4 if prefill_rows(x) else self.gemv.gemm_int4
+                return kernel(x, self.packed, self.scales_zeros, self.pad_left, self.exact, wide)  # (..., out)
             return F.linear(x, self.dequantized().to(x.dtype))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)

@@ -1,5 +1,6 @@
 // The compiled CPU decode kernels (one extension module, built once per machine by shardlm.kernels):
-// `gemv` here, and the fused attention / MLP halves of a block in decode.h.
+// `gemv` here, the fused attention / MLP halves of a block in decode.h, the integer decode products with int8
+// and int4 weights in qrows.h and their prefill products (dequantized panels) in qgemm.h.
 //
 // gemv: y[b, n] = sum_k x[b, k] * w[n, k] for a few rows b.
 //
@@ -14,6 +15,7 @@
 #include <cstdint>
 
 #include "decode.h"
+#include "qgemm.h"
 
 // x (..., k) float32 or bfloat16; w (n, k) float32 or bfloat16 contiguous -> (..., n) in x's dtype.
 // Accumulates in float32. One call per linear layer keeps the per-layer Python overhead small.
@@ -106,11 +108,89 @@ torch::Tensor gemm_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor s
   return y.view(lead).to(x_in.scalar_type());
 }
 
+// The prefill products (qgemm.h) for x (..., k) float32 or bfloat16 whose k columns sit at [pad_left, pad_left + k)
+// of a kp-wide weight: x copied into zero-padded float rows, then `widen`'s panels; `exact` and `wide` as above
+// (`wide` sums by blocks in double, as `exact` does).
+template <typename Widen>
+torch::Tensor panel_product(const torch::Tensor& x_in, int64_t kp, int64_t pad_left, int64_t n, bool exact, bool wide,
+                            const Widen& widen) {
+  const int64_t k = x_in.size(-1);
+  auto lead = x_in.sizes().vec();
+  lead.pop_back();
+  lead.push_back(n);
+  auto x = torch::zeros({x_in.numel() / std::max<int64_t>(k, 1), kp}, x_in.options().dtype(torch::kFloat));
+  x.narrow(1, pad_left, k).copy_(x_in.reshape({-1, k}));  // (b, kp): zeros meet the weight's zero columns
+  const int64_t b = x.size(0);
+  if (wide) {
+    auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
+    shardlm::panel_gemm<double>(x.data_ptr<float>(), b, kp, n, true, y.data_ptr<double>(), widen);  // wide: exact
+    return y.view(lead);
+  }
+  auto y = torch::empty({b, n}, x.options());
+  shardlm::panel_gemm<float>(x.data_ptr<float>(), b, kp, n, exact, y.data_ptr<float>(), widen);
+  return y.view(lead).to(x_in.scalar_type());
+}
+
+// Prefill with an int8 weight: the arguments of gemv_int8, computed by dequantized panels (qgemm.h).
+torch::Tensor prefill_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "prefill_int8: contiguous int8 (n, kq)");
+  const int64_t n = q.size(0), k = x_in.size(-1), kq = q.size(1);
+  TORCH_CHECK(kq == (k + shardlm::QBLOCK - 1) / shardlm::QBLOCK * shardlm::QBLOCK && scale.numel() == n,
+              "prefill_int8: shapes (..., k), (n, k rounded up to 32), (n,) expected; got k = ", k, ", codes ",
+              q.sizes(), ", ", scale.numel(), " scales");
+  const auto scale32 = scale.to(torch::kFloat).contiguous();
+  const int8_t* w = q.data_ptr<int8_t>();
+  const float* s = scale32.data_ptr<float>();
+  return panel_product(x_in, kq, 0, n, exact, wide,
+                       [&](int64_t r0, float* out) { shardlm::widen_panel_int8(w, kq, s, n, r0, out); });
+}
+
+// Prefill with an int4 weight: the arguments of gemm_int4, computed by dequantized panels (qgemm.h).
+torch::Tensor prefill_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, bool exact,
+                           bool wide) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kByte && codes.is_contiguous() && sz.dim() == 3 &&
+                  sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous(),
+              "prefill_int4: contiguous uint8 codes (n, kp / 2) and bfloat16 scales and zeros (n, kp / 32, 2)");
+  const int64_t n = codes.size(0), kp = codes.size(1) * 2, k = x_in.size(-1);
+  TORCH_CHECK(kp % shardlm::QBLOCK == 0 && pad_left >= 0 && pad_left + k <= kp && sz.size(0) == n &&
+                  sz.size(1) == kp / shardlm::QBLOCK && sz.size(2) == 2,
+              "prefill_int4: inputs (..., ", k, ") at column ", pad_left, " do not fit codes ", codes.sizes(),
+              " with scales ", sz.sizes());
+  const uint8_t* w = codes.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(sz.data_ptr());
+  return panel_product(x_in, kp, pad_left, n, exact, wide,
+                       [&](int64_t r0, float* out) { shardlm::widen_panel_int4(w, s, kp, n, r0, out); });
+}
+
+// Prefill with a float32 or bfloat16 weight (n, k): x (..., k) -> (..., n) in x's dtype through widened panels
+// (qgemm.h); each output one FMA chain over k in order, whatever the rows around it.
+torch::Tensor prefill_float(torch::Tensor x_in, torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && x_in.size(-1) == w.size(1) && w.is_contiguous(),
+              "prefill_float: shapes (..., k) and contiguous (n, k) expected; got ", x_in.sizes(), " and ", w.sizes());
+  const int64_t n = w.size(0), k = w.size(1), kp = (k + 7) / 8 * 8;
+  if (w.scalar_type() == torch::kFloat) {
+    const float* wp = w.data_ptr<float>();
+    return panel_product(x_in, kp, 0, n, false, false,
+                         [&](int64_t r0, float* out) { shardlm::widen_panel_float(wp, k, kp, n, r0, out); });
+  }
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "prefill_float: float32 or bfloat16 weights");
+  const uint16_t* wp = shardlm::data<uint16_t>(w);
+  return panel_product(x_in, kp, 0, n, false, false,
+                       [&](int64_t r0, float* out) { shardlm::widen_panel_float(wp, k, kp, n, r0, out); });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "decode matrix-vector product");
   m.def("gemv_int8", &gemv_int8, "matrix product with int8 weights and per-row scales (wide: float64 out)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
   m.def("gemm_int4", &gemm_int4, "matrix product with int4 weights in groups of 32 (wide: float64 out)",
+        py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("exact") = false,
+        py::arg("wide") = false);
+  m.def("prefill_float", &prefill_float, "many-row product with float32 or bfloat16 weights through panels",
+        py::arg("x"), py::arg("w"));
+  m.def("prefill_int8", &prefill_int8, "many-row product with int8 weights through dequantized panels",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
+  m.def("prefill_int4", &prefill_int4, "many-row product with int4 weights through dequantized panels",
         py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("exact") = false,
         py::arg("wide") = false);
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");

@@ -1,0 +1,216 @@
+// Prefill products with int8 and int4 weights: dequantize a panel of weight rows once, multiply it in float32.
+//
+// Decode (qrows.h) reads each weight once per token and is bound by memory, so its codes meet int16 activations
+// in the integer units. A prefill of many tokens is bound by arithmetic instead: there the integer loop (five
+// vector operations per 32 products and activation quantization) ran at about half of float32's speed. Here a
+// panel of PANEL weight rows (16, or 32 with AVX-512) is widened to float32 once per call into a thread's buffer
+// laid out [k][PANEL] (the codes times their scales: exact in float32 for int8; (q - 8) * scale + zero for int4,
+// as Int4Weight.dequantized computes it), and a register tile of MR activation rows by PANEL weight rows runs
+// FMAs over k: two vector loads and MR broadcasts feed 2 * MR FMAs.
+//
+// Each output keeps one float32 lane whose FMA chain runs over k in order, whatever the number of rows, the
+// tile or the panel it falls in: a token's result does not depend on the batch or the chunk around it, nor
+// on how many weight rows a column-parallel rank holds. Weights whose rows tensor parallelism splits by input
+// column (`Exact`: o and down projections) restart the chain at every block of 32 columns and add the block
+// terms in double: the blocks are whole on every layout (the split keeps them whole), so a row-parallel rank's
+// partial sums, all-reduced in double, round to the one-rank result (as in qrows.h). Activations are not
+// quantized here, so a prefill differs from a decode of the same tokens in the last bits, as float32's
+// F.linear prefill differs from its decode loop.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "qrows.h"
+
+namespace shardlm {
+
+// The tile's vectors: 16 floats where the CPU has AVX-512 (32 registers: 12 rows x 2 accumulators), else 8
+// (16 registers: 6 rows x 2). Either way an output is one lane whose FMA chain runs over k in order, so both
+// give the same numbers.
+#if defined(__AVX512F__)
+typedef float vpf __attribute__((vector_size(64)));
+constexpr int MR = 12;  // activation rows a register tile holds (2 * MR accumulators + 2 weight vectors)
+inline vpf fma_p(vpf a, vpf b, vpf c) {
+  return reinterpret_cast<vpf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+}
+#else
+typedef v8f vpf;
+constexpr int MR = 6;
+inline vpf fma_p(vpf a, vpf b, vpf c) { return fma8(a, b, c); }
+#endif
+constexpr int64_t VL = sizeof(vpf) / sizeof(float);
+constexpr int64_t PANEL = 2 * VL;  // weight rows a panel holds: two vectors
+constexpr int64_t PANEL_CHUNK_BYTES = 512 * 1024;  // panels a thread widens before it runs the rows over them
+
+typedef double v4d __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+inline vpf load_p(const float* p) {
+  vpf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+
+// Eight rows of eight floats (rows[i] = row i) written as eight columns: out[c * PANEL + i] = rows[i][c].
+inline void store_transposed(const v8f* rows, float* out) {
+#if defined(__AVX__)
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = reinterpret_cast<__m256>(rows[i]);
+  for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // then quads: lane l of 128-bit half h holds column 4h + l's four values
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {  // rows 0-3 and 4-7 of column c (and c + 4) meet across the 128-bit halves
+    _mm256_storeu_ps(out + c * PANEL, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+    _mm256_storeu_ps(out + (c + 4) * PANEL, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+  }
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int c = 0; c < 8; ++c) out[c * PANEL + i] = rows[i][c];
+#endif
+}
+
+// Rows [r0, r0 + PANEL) of a weight as floats at out[k * PANEL + r] (rows past n as zeros), eight columns at a time:
+// `row8(r, k)` gives row r's columns [k, k + 8).
+template <typename Row8>
+inline void widen_panel(int64_t kp, int64_t n, int64_t r0, float* out, const Row8& row8) {
+  v8f rows[PANEL];
+  for (int64_t k = 0; k < kp; k += 8) {
+    for (int64_t r = 0; r < PANEL; ++r) rows[r] = r0 + r < n ? row8(r0 + r, k) : v8f{};
+    for (int64_t g = 0; g < PANEL; g += 8) store_transposed(rows + g, out + k * PANEL + g);
+  }
+}
+
+// An int8 weight (rows kp apart, one scale a row): the codes times their row's scale (exact in float32).
+inline void widen_panel_int8(const int8_t* q, int64_t kp, const float* scale, int64_t n, int64_t r0, float* out) {
+  widen_panel(kp, n, r0, out, [&](int64_t r, int64_t k) { return load8<int8_t>(q + r * kp + k) * scale[r]; });
+}
+
+// An int4 weight in qrows.h's layout (codes (n, kp / 2), scale and zero per (row, group) in bfloat16):
+// (q - 8) * scale + zero, as Int4Weight.dequantized computes it.
+inline void widen_panel_int4(const uint8_t* codes, const uint16_t* sz, int64_t kp, int64_t n, int64_t r0,
+                             float* out) {
+  const int64_t groups = kp / QBLOCK;
+  widen_panel(kp, n, r0, out, [&](int64_t r, int64_t k) {
+    const int64_t g = k / QBLOCK, i = k % QBLOCK;  // columns i..i + 7 of group g: low nibbles below 16, high above
+    v8u8 bytes;
+    std::memcpy(&bytes, codes + r * (kp / 2) + g * 16 + i % 16, sizeof(bytes));
+    const v8i32 q = i < 16 ? __builtin_convertvector(bytes & 15, v8i32) : __builtin_convertvector(bytes >> 4, v8i32);
+    const float s = bf16_to_float(sz[(r * groups + g) * 2]), z = bf16_to_float(sz[(r * groups + g) * 2 + 1]);
+    return __builtin_convertvector(q - 8, v8f) * s + z;
+  });
+}
+
+// A float32 or bfloat16 weight (n, k), rows k apart; columns past k (up to kp, a multiple of 8) as zeros.
+template <typename W>
+inline void widen_panel_float(const W* w, int64_t k, int64_t kp, int64_t n, int64_t r0, float* out) {
+  widen_panel(kp, n, r0, out, [&](int64_t r, int64_t c) {
+    if (c + 8 <= k) return load8<W>(w + r * k + c);
+    v8f tail{};
+    for (int64_t i = c; i < k; ++i) tail[i - c] = load<W>(w + r * k, i);
+    return tail;
+  });
+}
+
+// y[j, c] for R rows of x (rows ldx apart, kp columns) against one widened panel; `cols` of its PANEL outputs are
+// kept (the last panel of a weight may be short). Output rows are ldy apart. T: float, or double for the
+// partial sums of an Exact weight that ranks add up.
+// Adds the lanes of `a` to four-double vectors out[0 .. VL / 4).
+inline void add_lanes(const vpf& a, v4d* out) {
+  float lanes[VL];
+  std::memcpy(lanes, &a, sizeof(a));
+  for (int64_t q = 0; q < VL / 4; ++q) {
+    v4f part;
+    std::memcpy(&part, lanes + 4 * q, sizeof(part));
+    out[q] += __builtin_convertvector(part, v4d);
+  }
+}
+
+template <typename T, bool Exact, int R>
+inline void panel_tile(const float* x, int64_t ldx, int64_t kp, const float* panel, T* y, int64_t ldy, int64_t cols) {
+  vpf acc[R][2];
+  v4d total[R][PANEL / 4] = {};  // Exact: the block terms' running sums, columns 4 at a time
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vpf{};
+  const int64_t step = Exact ? QBLOCK : kp;  // Exact: one chain per block of 32, added up in double
+  for (int64_t k0 = 0; k0 < kp; k0 += step) {
+    for (int64_t k = k0; k < k0 + step; ++k) {
+      const vpf w0 = load_p(panel + k * PANEL), w1 = load_p(panel + k * PANEL + VL);
+      for (int r = 0; r < R; ++r) {
+        const vpf xb = vpf{} + x[r * ldx + k];  // x[r, k] in every lane
+        acc[r][0] = fma_p(w0, xb, acc[r][0]);
+        acc[r][1] = fma_p(w1, xb, acc[r][1]);
+      }
+    }
+    if constexpr (Exact) {
+      for (int r = 0; r < R; ++r) {
+        add_lanes(acc[r][0], total[r]);
+        add_lanes(acc[r][1], total[r] + VL / 4);
+        acc[r][0] = acc[r][1] = vpf{};
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // through arrays: indexing the vectors by a runtime column would keep them in
+    if constexpr (!Exact) {      // memory for the whole loop
+      float lanes[PANEL];
+      std::memcpy(lanes, &acc[r][0], sizeof(vpf));
+      std::memcpy(lanes + VL, &acc[r][1], sizeof(vpf));
+      for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = static_cast<T>(lanes[c]);
+    } else {
+      double lanes[PANEL];
+      std::memcpy(lanes, total[r], sizeof(lanes));
+      for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = static_cast<T>(lanes[c]);
+    }
+  }
+}
+
+// Every row of x (b rows of kp) against panels [p0, p1) of a widened chunk (panel p at chunk + (p - p0) * kp * PANEL).
+template <typename T, bool Exact>
+inline void chunk_rows(const float* x, int64_t b, int64_t kp, const float* chunk, int64_t p0, int64_t p1, T* y,
+                       int64_t n) {
+  constexpr int64_t rows_block = 48;  // rows of x kept hot while the chunk's panels pass over them
+  for (int64_t j0 = 0; j0 < b; j0 += rows_block) {
+    const int64_t j1 = std::min(b, j0 + rows_block);
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = chunk + (p - p0) * kp * PANEL;
+      const int64_t c0 = p * PANEL, cols = std::min(PANEL, n - c0);
+      int64_t j = j0;
+      for (; j + MR <= j1; j += MR) panel_tile<T, Exact, MR>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
+      for (; j < j1; ++j) panel_tile<T, Exact, 1>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
+    }
+  }
+}
+
+// y (b, n) = x (b, kp) @ W^T for a weight whose panels `widen(r0, out)` writes: threads split the panels, each
+// widens a chunk of them at a time into its own buffer and runs every row of x over it.
+template <typename T, typename Widen>
+inline void panel_gemm(const float* x, int64_t b, int64_t kp, int64_t n, bool exact, T* y, const Widen& widen) {
+  const int64_t panels = (n + PANEL - 1) / PANEL;
+  const int64_t per_chunk = std::max<int64_t>(1, PANEL_CHUNK_BYTES / (kp * PANEL * 4));
+  at::parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> chunk(std::min(per_chunk, hi - lo) * kp * PANEL);
+    for (int64_t p0 = lo; p0 < hi; p0 += per_chunk) {
+      const int64_t p1 = std::min(hi, p0 + per_chunk);
+      for (int64_t p = p0; p < p1; ++p) widen(p * PANEL, chunk.data() + (p - p0) * kp * PANEL);
+      if (exact)
+        chunk_rows<T, true>(x, b, kp, chunk.data(), p0, p1, y, n);
+      else
+        chunk_rows<T, false>(x, b, kp, chunk.data(), p0, p1, y, n);
+    }
+  });
+}
+
+}  // namespace shardlm

@@ -1,0 +1,163 @@
+"""The prefill kernels (csrc/qgemm.h): float32, bfloat16, int8 and int4 weights widened to float32 panels once per
+call, multiplied in FMA tiles.
+
+Against float64 arithmetic on the dequantized weight, on odd shapes (widths off the block of 32, weight rows off
+the panel of 16, row counts off the tile of 6, int4 slices that start inside a group); a row's result the same
+alone, in any batch and in any column-parallel slice of the weight; row-parallel partial sums adding up to the
+whole bit for bit; the module path choosing them for passes of more than one position."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardlm import kernels
+from shardlm.kernels import linear
+from shardlm.quant import int8_codes, pack_int8, prefill_rows, quantize_int4, quantize_int8
+from shardlm.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ops = kernels.extension(Settings().kernel_dir)
+    if ops is None:
+        pytest.skip("the compiled kernels do not build here (the log names why); the prefill kernels are theirs")
+    return ops
+
+
+def _int8(n, k, g):
+    qw = quantize_int8(torch.randn(n, k, generator=g))
+    return qw, qw.q[:, :k].double() * qw.scale.double()[:, None]  # (n, k) dequantized
+
+
+def _int4(n, k, start, g):
+    qw = quantize_int4(torch.randn(n, k, generator=g), start, start + k + 5)
+    return qw, qw.dequantized().double()
+
+
+def _run(ext, kind, qw, x, exact=False, wide=False):
+    if kind == "int8":
+        return ext.prefill_int8(x, qw.q, qw.scale, exact, wide)
+    return ext.prefill_int4(x, qw.packed, qw.scales_zeros, qw.pad_left, exact, wide)
+
+
+def _weight(kind, n, k, start, g):
+    return _int8(n, k, g) if kind == "int8" else _int4(n, k, start, g)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("n,k,start", [(301, 577, 0), (17, 1000, 13), (5, 40, 31), (64, 32, 0), (48, 96, 7)])
+@pytest.mark.parametrize("exact", [False, True])
+def test_prefill_equals_float64_on_the_dequantized_weight(kind, n, k, start, exact, ext):
+    g = torch.Generator().manual_seed(n + k)
+    qw, dequantized = _weight(kind, n, k, start, g)
+    for rows in (1, 5, 6, 7, 50):
+        x = torch.randn(rows, k, generator=g)
+        got = _run(ext, kind, qw, x, exact)
+        want = x.double() @ dequantized.T  # (rows, n)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        bound = 1e-6 * k ** 0.5 * (x.abs().max() * dequantized.abs().max()).item()  # float32 sums of k terms
+        assert (got.double() - want).abs().max().item() <= bound, (rows, exact)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_row_is_the_same_alone_in_any_batch_and_in_any_column_slice(kind, ext):
+    """One FMA chain per output over k in order: no dependence on the rows around it (a prompt alone or beside
+    others) or on how many weight rows a column-parallel rank holds."""
+    g = torch.Generator().manual_seed(9)
+    n, k = 70, 200
+    qw, _ = _weight(kind, n, k, 0, g)
+    x = torch.randn(23, k, generator=g)
+    whole = _run(ext, kind, qw, x)
+    alone = torch.cat([_run(ext, kind, qw, x[j:j + 1]) for j in range(23)])
+    assert torch.equal(whole, alone)
+    for b in (2, 6, 13):
+        assert torch.equal(_run(ext, kind, qw, x[:b]), whole[:b]), b
+    w = torch.randn(n, k, generator=g)
+    full = quantize_int8(w) if kind == "int8" else quantize_int4(w)
+    y = _run(ext, kind, full, x)
+    for a, b in [(0, 16), (16, 37), (37, 70)]:  # slices of rows that do not fall on panels of 16
+        part = pack_int8(full.q[a:b], full.scale[a:b]) if kind == "int8" else quantize_int4(w[a:b])
+        assert torch.equal(_run(ext, kind, part, x), y[:, a:b]), (a, b)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("parts", [2, 3, 5])
+def test_prefill_partial_sums_add_up_to_the_whole_bit_for_bit(kind, parts, ext):
+    """A row-parallel split on blocks of 32: each part's float64 sums (wide), added in float64 and rounded once,
+    equal the unsplit weight's exact result, so quantized prefill does not depend on the tensor-parallel degree."""
+    g = torch.Generator().manual_seed(6)
+    n, k = 70, 32 * 18
+    w, x = torch.randn(n, k, generator=g), torch.randn(29, k, generator=g)
+    bounds = [round(i * k / parts / 32) * 32 for i in range(parts + 1)]
+    if kind == "int8":
+        q, scale = int8_codes(w)
+        whole = _run(ext, kind, pack_int8(q, scale), x, exact=True)
+        wides = [_run(ext, kind, pack_int8(q[:, a:b], scale), x[:, a:b], wide=True) for a, b in zip(bounds, bounds[1:])]
+    else:
+        whole = _run(ext, kind, quantize_int4(w), x, exact=True)
+        wides = [_run(ext, kind, quantize_int4(w[:, a:b], a, k), x[:, a:b], wide=True) for a, b in zip(bounds, bounds[1:])]
+    assert all(p.dtype == torch.float64 for p in wides)
+    assert torch.equal(sum(wides).float(), whole)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_module_path_takes_prefill_kernels_for_passes_of_more_than_one_position(kind, ext):
+    g = torch.Generator().manual_seed(3)
+    qw, _ = _weight(kind, 40, 96, 0, g)
+    qw.gemv = ext
+    prompt, step = torch.randn(2, 9, 96, generator=g), torch.randn(4, 1, 96, generator=g)
+    assert prefill_rows(prompt) and not prefill_rows(step) and not prefill_rows(step.view(4, 96))
+    assert torch.equal(qw.matmul_t(prompt), _run(ext, kind, qw, prompt))
+    decode = ext.gemv_int8(step, qw.q, qw.scale) if kind == "int8" else \
+        ext.gemm_int4(step, qw.packed, qw.scales_zeros, qw.pad_left)
+    assert torch.equal(qw.matmul_t(step), decode)
+    half = qw.matmul_t(prompt.bfloat16())
+    assert half.dtype == torch.bfloat16 and half.shape == (2, 9, 40)
+
+
+def test_prefill_kernels_refuse_inputs_that_do_not_fit_the_codes(ext):
+    with pytest.raises(RuntimeError, match="k rounded up to 32"):
+        ext.prefill_int8(torch.randn(3, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
+    qw = quantize_int4(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="do not fit codes"):
+        ext.prefill_int4(torch.randn(3, 128), qw.packed, qw.scales_zeros, 0)
+
+
+@pytest.mark.parametrize("n,k", [(301, 577), (17, 1000), (5, 40), (64, 32), (100, 77)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_prefill_equals_float64_and_a_row_is_the_same_in_any_batch(n, k, dtype, ext):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(23, k, generator=g)
+    got = ext.prefill_float(x, w)
+    want = x.double() @ w.double().T
+    bound = 1e-6 * k ** 0.5 * (x.abs().max() * w.float().abs().max()).item()
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max().item() <= bound
+    assert torch.equal(torch.cat([ext.prefill_float(x[j:j + 1], w) for j in range(23)]), got)
+    assert torch.equal(ext.prefill_float(x[:7], w), got[:7])
+    half = ext.prefill_float(x.bfloat16(), w)
+    assert half.dtype == torch.bfloat16
+
+
+def test_float_prefill_refuses_a_width_that_does_not_match(ext):
+    with pytest.raises(RuntimeError, match="shapes"):
+        ext.prefill_float(torch.randn(3, 40), torch.randn(8, 41))
+
+
+@pytest.mark.parametrize("units", [False, True])
+def test_plain_weights_take_the_panel_kernel_for_prefill_passes(units, ext, monkeypatch):
+    """float32 prefill through the panel kernel; bfloat16 through it only without bfloat16 units (else oneDNN's
+    bfloat16 matmul); decode rows through the row loop."""
+    monkeypatch.setattr(linear, "bf16_units", lambda: units)
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(40, 96, generator=g)
+    prompt, step = torch.randn(2, 9, 96, generator=g), torch.randn(4, 1, 96, generator=g)
+    assert torch.equal(linear.matmul_t(prompt, w, ext), ext.prefill_float(prompt, w))
+    assert torch.equal(linear.matmul_t(step, w, ext), ext.gemv(step, w))
+    wb, pb = w.bfloat16(), prompt.bfloat16()
+    got = linear.matmul_t(pb, wb, ext)
+    if units:
+        assert torch.equal(got, F.linear(pb, wb))
+    else:
+        assert torch.equal(got, ext.prefill_float(pb, wb))
+    assert torch.equal(linear.matmul_t(prompt, w), F.linear(prompt, w))  # no kernels: torch
