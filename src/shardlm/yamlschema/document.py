@@ -196,6 +196,9 @@ def load_yaml(text: str, source: str, error_type: type[Exception], limits: Limit
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         problem = ": ".join(filter(None, (e.context, e.problem)))
+        if "maximum nesting depth" in problem:  # PyYAML >= 6.0.3 caps flow nesting in its scanner, before our check
+            raise error_type(f"{source}:{mark.line + 1 if mark else 1}: nested more than {limits.max_depth} levels "
+                             f"deep; check the indentation and brackets: a {what} is a few levels deep") from e
         raise error_type(one_line(f"{source}:{mark.line + 1 if mark else 1}: not valid YAML ({problem}); fix the "
                                   "syntax on this line or the one before: indentation, a missing ':', or an "
                                   "unquoted value containing ': ' or ' #'")) from e
