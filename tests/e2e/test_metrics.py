@@ -24,7 +24,7 @@ REQUESTS = [("The capital of France is", 5), ("def fibonacci(n):", 9), ("Water b
 
 @pytest.fixture(scope="module")
 def served(bundled_dir):
-    with Server("--tp", "2", "--max-batch", "4", "--max-seq-len", "128", "--metrics-interval-s", "1") as s:
+    with Server("--tp", "2", "--max-batch", "4", "--max-seq-len", "512", "--metrics-interval-s", "1") as s:
         tokens = 0
         for prompt, n in REQUESTS:
             res = s.post("/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0,
@@ -162,7 +162,8 @@ def test_ranks_report_while_a_request_decodes_and_its_tokens_do_not_change(serve
     /metrics grow between two scrapes taken while a request runs, and its tokens equal the same request run
     with nobody scraping."""
     s, _ = served
-    body = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    # 400 tokens: long enough for two scrapes 1.2 s apart on a host that decodes ~150 tok/s at tp 2 (100 were not)
+    body = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     box: dict = {}
     worker = threading.Thread(target=lambda: box.update(res=s.post("/v1/completions", body)))
     worker.start()
