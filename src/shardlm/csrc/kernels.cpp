@@ -118,8 +118,13 @@ torch::Tensor panel_product(const torch::Tensor& x_in, int64_t kp, int64_t pad_l
   auto lead = x_in.sizes().vec();
   lead.pop_back();
   lead.push_back(n);
-  auto x = torch::zeros({x_in.numel() / std::max<int64_t>(k, 1), kp}, x_in.options().dtype(torch::kFloat));
-  x.narrow(1, pad_left, k).copy_(x_in.reshape({-1, k}));  // (b, kp): zeros meet the weight's zero columns
+  torch::Tensor x;
+  if (pad_left == 0 && kp == k) {  // no padding: float rows as they are (copied only if not float or contiguous)
+    x = x_in.reshape({-1, k}).to(torch::kFloat).contiguous();
+  } else {
+    x = torch::zeros({x_in.numel() / std::max<int64_t>(k, 1), kp}, x_in.options().dtype(torch::kFloat));
+    x.narrow(1, pad_left, k).copy_(x_in.reshape({-1, k}));  // (b, kp): zeros meet the weight's zero columns
+  }
   const int64_t b = x.size(0);
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));

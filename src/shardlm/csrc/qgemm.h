@@ -1,8 +1,10 @@
-// Prefill products with int8 and int4 weights: dequantize a panel of weight rows once, multiply it in float32.
+// Prefill products with float32, bfloat16, int8 and int4 weights: widen a panel of weight rows to float32 once,
+// multiply it in FMA tiles.
 //
-// Decode (qrows.h) reads each weight once per token and is bound by memory, so its codes meet int16 activations
-// in the integer units. A prefill of many tokens is bound by arithmetic instead: there the integer loop (five
-// vector operations per 32 products and activation quantization) ran at about half of float32's speed. Here a
+// Decode (rows.h, qrows.h) reads each weight once per token and is bound by memory; for int8/int4 its codes meet
+// int16 activations in the integer units. A prefill of many tokens is bound by arithmetic instead: there the
+// integer loop (five vector operations per 32 products and activation quantization) ran at about half of
+// float32's speed, and this tiling beats MKL's sgemm on the shapes measured (bench/RESULTS.md notes). Here a
 // panel of PANEL weight rows (16, or 32 with AVX-512) is widened to float32 once per call into a thread's buffer
 // laid out [k][PANEL] (the codes times their scales: exact in float32 for int8; (q - 8) * scale + zero for int4,
 // as Int4Weight.dequantized computes it), and a register tile of MR activation rows by PANEL weight rows runs

@@ -177,6 +177,12 @@ class _Build:
         return self.error_type(one_line(f"{self.source}:{line}: {where}{problem}; {fix}"))
 
 
+def _too_deep(limits: Limits, what: str) -> tuple[str, str]:
+    """The problem and the fix for a document nested deeper than the cap (ours, or the parser's own)."""
+    return (f"nested more than {limits.max_depth} levels deep",
+            f"check the indentation and brackets: a {what} is a few levels deep")
+
+
 def load_yaml(text: str, source: str, error_type: type[Exception], limits: Limits, what: str = "file",
               guide: str = "the documentation", amend: Callable[[tuple, str], str] | None = None) -> Document:
     """Parse one YAML document of at most ``limits`` into a ``Document``; any problem is ``error_type``.
@@ -197,8 +203,7 @@ def load_yaml(text: str, source: str, error_type: type[Exception], limits: Limit
         mark = e.problem_mark or e.context_mark
         problem = ": ".join(filter(None, (e.context, e.problem)))
         if "maximum nesting depth" in problem:  # PyYAML >= 6.0.3 caps flow nesting in its scanner, before our check
-            raise error_type(f"{source}:{mark.line + 1 if mark else 1}: nested more than {limits.max_depth} levels "
-                             f"deep; check the indentation and brackets: a {what} is a few levels deep") from e
+            raise build.fail(mark.line + 1 if mark else 1, (), *_too_deep(limits, what)) from e
         raise error_type(one_line(f"{source}:{mark.line + 1 if mark else 1}: not valid YAML ({problem}); fix the "
                                   "syntax on this line or the one before: indentation, a missing ':', or an "
                                   "unquoted value containing ': ' or ' #'")) from e
@@ -275,8 +280,7 @@ def _take_value(b: _Build, top: _Open | None, event: yaml.Event, line: int) -> N
         b.spots[path] = Spot(at, event.value, plain)
     else:
         if len(b.stack) >= b.limits.max_depth:
-            raise b.fail(line, path, f"nested more than {b.limits.max_depth} levels deep",
-                         f"check the indentation and brackets: a {b.what} is a few levels deep")
+            raise b.fail(line, path, *_too_deep(b.limits, b.what))
         value = {} if isinstance(event, yaml.MappingStartEvent) else []
         b.spots[path] = Spot(at, kind="mapping" if isinstance(value, dict) else "list")
     if top is None:
