@@ -1,15 +1,17 @@
 """Serving soak: one `shardlm serve` under mixed streaming load, a long idle spell, then load again.
 
-    python bench/serve_soak.py [--minutes M] [--idle-minutes I] [--tp N] [--clients C] [--no-write]
+    python bench/serve_soak.py [--minutes M] [--idle-minutes I] [--gaps G] [--tp N] [--clients C] [--no-write]
 
-Load: C client threads, each streaming requests back to back (a random prompt, 8..64 new tokens, EOS
+The hour-long run: `--minutes 14 --idle-minutes 10 --gaps 2` (three load phases of 14 minutes, two idle
+spells of 10). Load: C client threads, each streaming requests back to back (a random prompt, 8..64 new tokens, EOS
 ignored); every tenth request is cancelled after its third chunk. A probe request (greedy, fixed) runs
-between rounds and must always return the same text as its first answer, loaded or not. Between the two
-load phases the server sits idle for I minutes (default 10), far past the collective timeout: the ranks wait
-in no collective, so the first request after the idle spell must succeed like any other.
+every 20 s and must always return the same text as its first answer, loaded or not. Between load phases
+the server sits idle for I minutes (default 10), far past the collective timeout: the ranks wait in no
+collective, so the first request after an idle spell must succeed like any other.
 
 Reported: requests done, failed, cancelled; probe mismatches; output tokens/s per phase; the server's
-resident memory (driver + ranks) after warm-up, after each phase and after the idle spell.
+resident memory (driver + ranks) after warm-up and after every phase, and sampled every 20 s over the
+whole run (bench/serve_soak.png).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ PROMPTS = ["Tell me about the history of Rome.", "def quicksort(xs):", "The weat
            "List three uses of copper:", "Once upon a time", "SELECT * FROM orders WHERE", "Dear diary,",
            "The mitochondria is"]
 PROBE = ("The capital of France is", 16)
+FIGURE = Path(__file__).resolve().parent / "serve_soak.png"
 
 
 @dataclass
@@ -103,8 +106,10 @@ def probe(server: Server) -> str:
     return res.json()["choices"][0]["text"]
 
 
-def load_phase(server: Server, minutes: float, clients: int, want: str, seed: int) -> tuple[Tally, float]:
-    """`clients` threads for `minutes`, a probe every 20 s; the tally and the phase's seconds."""
+def load_phase(server: Server, minutes: float, clients: int, want: str, seed: int,
+               trace: list) -> tuple[Tally, float]:
+    """`clients` threads for `minutes`, a probe and a memory sample (into `trace`) every 20 s; the tally and
+    the phase's seconds."""
     tally, t0 = Tally(), time.monotonic()
     deadline = t0 + minutes * 60
     threads = [threading.Thread(target=client, args=(server.url, deadline, tally, seed + k)) for k in range(clients)]
@@ -113,9 +118,27 @@ def load_phase(server: Server, minutes: float, clients: int, want: str, seed: in
     while time.monotonic() < deadline:
         time.sleep(min(20, max(0.0, deadline - time.monotonic())))
         tally.add(probe_mismatch=int(probe(server) != want))
+        trace.append((time.monotonic(), server_rss_mib(server), "load"))
     for t in threads:
         t.join(timeout=600)
     return tally, time.monotonic() - t0
+
+
+def idle_phase(server: Server, minutes: float, want: str, trace: list) -> bool:
+    """Send nothing for `minutes` (a memory sample every 20 s); whether the probe after it answers as before."""
+    deadline = time.monotonic() + minutes * 60
+    while time.monotonic() < deadline:
+        time.sleep(min(20, max(0.0, deadline - time.monotonic())))
+        trace.append((time.monotonic(), server_rss_mib(server), "idle"))
+    return probe(server) == want
+
+
+def phases(gaps: int) -> list[tuple[str, int | None]]:
+    """Load phases with `gaps` idle spells between them: (name, client seed or None for idle)."""
+    out: list[tuple[str, int | None]] = [("load 1", 0)]
+    for k in range(gaps):
+        out += [(f"idle {k + 1}" if gaps > 1 else "idle", None), (f"load {k + 2}", 100 * (k + 1))]
+    return out
 
 
 def server_rss_mib(server: Server) -> float:
@@ -129,31 +152,34 @@ def server_rss_mib(server: Server) -> float:
 def main() -> None:
     """Run the soak, print, and (unless --no-write) record it."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--minutes", type=float, default=5.0, help="minutes of load in each of the two phases")
+    ap.add_argument("--minutes", type=float, default=5.0, help="minutes of load in each load phase")
     ap.add_argument("--idle-minutes", type=float, default=10.0)
+    ap.add_argument("--gaps", type=int, default=1, help="idle spells, each between two load phases")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     started = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    rows, mem = [], {}
+    rows, mem, trace = [], {}, []
     with Server("--tp", str(args.tp), "--max-batch", "8", "--max-seq-len", "512", ready_s=600) as server:
         want = probe(server)
+        t0 = time.monotonic()
         mem["after warm-up"] = server_rss_mib(server)
-        for phase, seed in (("load 1", 0), ("idle", None), ("load 2", 100)):
+        trace.append((t0, mem["after warm-up"], "load"))
+        for phase, seed in phases(args.gaps):
             print(f"{phase}...", flush=True)
             if seed is None:
-                time.sleep(args.idle_minutes * 60)
-                ok = probe(server) == want
-                rows.append(("idle", None, args.idle_minutes * 60, ok))
+                ok = idle_phase(server, args.idle_minutes, want, trace)
+                rows.append((phase, None, args.idle_minutes * 60, ok))
             else:
-                tally, secs = load_phase(server, args.minutes, args.clients, want, seed)
+                tally, secs = load_phase(server, args.minutes, args.clients, want, seed, trace)
                 rows.append((phase, tally, secs, None))
                 print(f"  {tally.done} done, {tally.failed} failed, {tally.cancelled} cancelled, "
                       f"{tally.tokens / secs:.1f} tok/s, probe mismatches {tally.probe_mismatch}", flush=True)
             mem[f"after {phase}"] = server_rss_mib(server)
         stats = server.stats()
     rc = server.returncode
+    figure([(t - t0, rss, kind) for t, rss, kind in trace])
     text = report(args, started, rows, mem, stats, rc)
     print(text)
     if not args.no_write:
@@ -164,7 +190,7 @@ def report(args, started: str, rows: list, mem: dict, stats: dict, rc: int) -> s
     """The RESULTS.md section."""
     info = _decode.machine_info()
     lines = [HEADING, "", f"Command: `python bench/serve_soak.py --minutes {args.minutes:g} --idle-minutes "
-             f"{args.idle_minutes:g} --tp {args.tp} --clients {args.clients}`. Date: {started}. Machine: "
+             f"{args.idle_minutes:g} --gaps {args.gaps} --tp {args.tp} --clients {args.clients}`. Date: {started}. Machine: "
              f"{info['cpu']}, {info['cores']} cores, {info['ram']}. Bundled SmolLM2-135M, float32, 8 slots.", "",
              "| phase | seconds | requests done | failed | cancelled (on purpose) | output tok/s | probe equal |",
              "|---|---|---|---|---|---|---|"]
@@ -180,7 +206,32 @@ def report(args, started: str, rows: list, mem: dict, stats: dict, rc: int) -> s
     errors = [e for _, t, _, _ in rows if t for e in t.errors[:3]]
     if errors:
         lines += ["", "First errors: " + "; ".join(errors)]
+    if FIGURE.exists():
+        lines += ["", f"![server memory over the soak]({FIGURE.name})"]
     return "\n".join(lines) + "\n"
+
+
+def figure(points: list[tuple[float, float, str]]) -> None:
+    """Server RSS against minutes since warm-up, load and idle samples marked (bench/serve_soak.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=120)
+    for kind, colour in (("load", "tab:blue"), ("idle", "tab:grey")):
+        pts = [(t / 60, rss) for t, rss, k in points if k == kind]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=8, color=colour, label=kind)
+    top = max(rss for _, rss, _ in points)
+    ax.set_ylim(0, top * 1.15)
+    ax.set_xlabel("minutes since warm-up")
+    ax.set_ylabel("server RSS, MiB (driver + ranks)")
+    ax.set_title("shardlm serve soak: resident memory")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(FIGURE)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
