@@ -1,8 +1,9 @@
 """Weight-only quantization of linear layers: int8 per output channel, int4 in groups along the input.
 
-Kernels. On the CPU, our own, through the compiled kernels. Decode (one position a row, csrc/qrows.h): each
-input row is quantized to int16 in blocks of 32 and meets the int8 or int4 codes in the CPU's integer units, so
-codes are never widened to float and are read once; int4 codes are stored in that kernel's layout (`pack_int4`).
+Kernels. On the CPU, our own, through the compiled kernels. Decode (one position a row, csrc/qrows.h and
+q4tiles.h): each input row is quantized to int16 in blocks of 32 and meets the int8 or int4 codes in the CPU's
+integer units, so codes are never widened to float and are read once; int4 codes are stored in row tiles of 16
+that both the decode products and the prefill panels read (`pack_int4`).
 Prefill (csrc/qgemm.h, `kernels.linear.prefill_rows`): panels of 16 weight rows (32 with AVX-512) are widened
 to float32 once per call and meet the float activations in FMA tiles, as float32 weights do. The o and down
 projections (`exact`) sum in double (by blocks of 32 columns in prefill) so that tensor-parallel partial sums
@@ -97,9 +98,10 @@ class Int8Weight:
 class Int4Weight:
     """int4 codes, scales and zeros in the layout of the device's kernel, and the padding.
 
-    CPU (csrc/qrows.h, any number of rows): `packed` (out, padded in / 2) uint8, two codes per byte (each group
-    of 32 columns in 16 bytes: column i in the low nibble of byte i, column 16 + i in its high nibble),
-    `scales_zeros` (out, groups, 2). CUDA (torch's tinygemm kernel): `packed` in its tiled layout over a multiple
+    CPU (csrc/q4tiles.h, any number of rows): rows in tiles of 16 (the last padded with zero rows), each
+    tile's codes group by group: `packed` (tiles, groups, 256) uint8, where chunk c (32 bytes) of a group holds
+    row i's columns (2c, 2c + 1) in the low nibbles of its bytes 2i, 2i + 1 and columns (16 + 2c, 17 + 2c) in
+    their high nibbles; `scales_zeros` (tiles, groups, 32), the tile's 16 scales then its 16 zeros. CUDA (torch's tinygemm kernel): `packed` in its tiled layout over a multiple
     of 16 rows, `scales_zeros` (groups, rows, 2). `pad_left`/`pad_right` zero columns were added so the local
     columns fall on whole groups; `out` real rows are kept.
     """
@@ -125,7 +127,7 @@ class Int4Weight:
         if not self.packed.is_cuda:
             if self.gemv is not None:
                 kernel = self.gemv.prefill_int4 if prefill_rows(x) else self.gemv.gemm_int4
-                return kernel(x, self.packed, self.scales_zeros, self.pad_left, self.exact, wide)  # (..., out)
+                return kernel(x, *self.kernel_args(), self.exact, wide)  # (..., out)
             return F.linear(x, self.dequantized().to(x.dtype))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
@@ -136,16 +138,29 @@ class Int4Weight:
             y = y[:, :self.out]  # drop the rows added to reach a multiple of 16
         return y.reshape(*lead, self.out).to(x.dtype)
 
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(codes, scales and zeros, pad_left, rows): what the compiled int4 products take after x."""
+        return self.packed, self.scales_zeros, self.pad_left, self.out
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The CPU layout unpacked: codes (out, padded in) uint8 in 0..15, scales and zeros (out, groups) float32."""
+        tiles, groups, _ = self.packed.shape
+        chunks = self.packed.view(tiles, groups, CPU_TILE_CHUNKS, CPU_TILE, 2)  # (tiles, groups, chunk, row, pair)
+        # low nibbles: columns 2c + e (the group's first 16), high: 16 + 2c + e; (tiles, groups, row, 16) each
+        low = (chunks & 15).permute(0, 1, 3, 2, 4).reshape(tiles, groups, CPU_TILE, 16)
+        high = (chunks >> 4).permute(0, 1, 3, 2, 4).reshape(tiles, groups, CPU_TILE, 16)
+        # (tiles, groups, row, 32) -> (tiles, row, groups, 32) -> (rows, padded in)
+        codes = torch.cat([low, high], dim=-1).permute(0, 2, 1, 3).reshape(tiles * CPU_TILE, groups * self.group)
+        sz = self.scales_zeros.float().view(tiles, groups, 2, CPU_TILE).permute(2, 0, 3, 1)  # (2, tiles, row, groups)
+        scale, zero = sz.reshape(2, tiles * CPU_TILE, groups)
+        return codes[:self.out], scale[:self.out], zero[:self.out]
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (out, in) a CPU Int4Weight stands for."""
-        out, half = self.packed.shape
-        groups = half * 2 // self.group
-        nibbles = torch.stack([self.packed & 15, self.packed >> 4], dim=1)  # (out, 2, half): low, high nibbles
-        # (out, 2, groups, group / 2) -> (out, groups, 2, group / 2) -> (out, groups, group): columns in order
-        codes = nibbles.view(out, 2, groups, self.group // 2).transpose(1, 2).reshape(out, groups, self.group)
-        scale, zero = self.scales_zeros.float().unbind(-1)  # (out, groups) each
-        w = (codes.float() - 8) * scale[..., None] + zero[..., None]  # (out, groups, group)
-        return w.view(out, -1)[:, self.pad_left:self.pad_left + self.in_features]
+        codes, scale, zero = self.codes()
+        groups = scale.shape[1]
+        w = (codes.view(self.out, groups, self.group).float() - 8) * scale[..., None] + zero[..., None]  # (out, groups, group)
+        return w.view(self.out, -1)[:, self.pad_left:self.pad_left + self.in_features]
 
     def nbytes(self) -> int:
         """Bytes held."""
@@ -217,6 +232,34 @@ def int4_codes(w: torch.Tensor, start: int = 0, total: int | None = None, group_
     return q, scale, zero, pad_left, pad_right
 
 
+CPU_TILE = 16
+"""Rows of an int4 weight the CPU layout interleaves (csrc/q4tiles.h)."""
+CPU_TILE_CHUNKS = 8
+"""32-byte chunks a (tile, group of 32 columns) holds."""
+
+
+def _cpu_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (out, padded in) and scales/zeros (out, groups) in the CPU's row tiles (see Int4Weight): codes
+    (tiles, groups, 256) uint8, scales and zeros (tiles, groups, 32) bfloat16."""
+    if group_size != 32:
+        raise ValueError(f"the CPU int4 kernels take groups of 32 columns, not {group_size}; quantize with group 32")
+    out, padded_k = q.shape
+    tiles, groups = -(-out // CPU_TILE), padded_k // group_size
+    extra = tiles * CPU_TILE - out  # zero rows completing the last tile (scale and zero 0: they decode to 0)
+    q8 = F.pad(q.to(torch.uint8), (0, 0, 0, extra))
+    scale, zero = F.pad(scale.float(), (0, 0, 0, extra)), F.pad(zero.float(), (0, 0, 0, extra))
+    # (rows, padded in) -> (tiles, row, groups, 32) -> (tiles, groups, row, 32)
+    t = q8.view(tiles, CPU_TILE, groups, group_size).permute(0, 2, 1, 3)
+    # columns 2c + e (the group's first 16) and 16 + 2c + e: (tiles, groups, row, chunk c, e)
+    low = t[..., :16].reshape(tiles, groups, CPU_TILE, CPU_TILE_CHUNKS, 2)
+    high = t[..., 16:].reshape(tiles, groups, CPU_TILE, CPU_TILE_CHUNKS, 2)
+    # byte 2i + e of chunk c: (tiles, groups, chunk, row, e) -> (tiles, groups, 256)
+    packed = (low | high << 4).permute(0, 1, 3, 2, 4).reshape(tiles, groups, CPU_TILE * group_size // 2)
+    # (rows, groups) -> (tiles, groups, 16) for scales and zeros, side by side: (tiles, groups, 32)
+    sz = torch.cat([v.view(tiles, CPU_TILE, groups).transpose(1, 2) for v in (scale, zero)], dim=-1)
+    return packed.contiguous(), sz.to(ACT_DTYPE).contiguous()
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, pad_left: int,
               pad_right: int, device: torch.device | str | None = None) -> Int4Weight:
     """An Int4Weight from codes (out, padded in), scales and zeros (out, groups), packed for the
@@ -226,10 +269,8 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
     out, padded_k = q.shape
     in_features = padded_k - pad_left - pad_right
     if not q.is_cuda:
-        halves = q.to(torch.uint8).contiguous().view(out, padded_k // group_size, 2, group_size // 2)  # (out, groups, 2, 16)
-        packed = (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(out, padded_k // 2)  # low: first 16 columns
-        scales_zeros = torch.stack([scale, zero], dim=-1).to(ACT_DTYPE).contiguous()  # (out, groups, 2)
-        return Int4Weight(packed.contiguous(), scales_zeros, group_size, out, pad_left, pad_right, in_features)
+        packed, scales_zeros = _cpu_tiles(q, scale, zero, group_size)
+        return Int4Weight(packed, scales_zeros, group_size, out, pad_left, pad_right, in_features)
     n_pad = -out % 16  # the CUDA kernel wants a multiple of 8 rows; 16 keeps one rule
     q = q.to(torch.int32)
     if n_pad:

@@ -49,15 +49,15 @@ def linear_bytes(rows: int, cols: int, kind: str, col_start: int = 0, device_kin
     int8: codes padded to a multiple of INT8_ALIGN columns plus one scale per row (bfloat16 on CUDA; on the CPU
     float32, which our kernels read without converting).
     int4: two codes per byte over whole groups (a slice starting or ending inside a group is padded
-    to whole groups), a bfloat16 scale and zero per (group, row); on CUDA (`device_kind`) rows are padded
-    to a multiple of 16 for torch's kernel, on the CPU ours takes them as they are.
+    to whole groups), a bfloat16 scale and zero per (group, row); rows are padded to a multiple of 16, for
+    torch's kernel on CUDA and for the row tiles of ours on the CPU.
     """
     if kind == "int8":
         return rows * (cols + -cols % INT8_ALIGN) + rows * (2 if device_kind == "cuda" else 4)
     if kind != "int4":
         raise QuantizationError(f"no quantized size for {kind!r}; use int8 or int4")
     groups = -(-(col_start % INT4_GROUP + cols) // INT4_GROUP)
-    padded_rows = rows + -rows % 16 if device_kind == "cuda" else rows
+    padded_rows = rows + -rows % 16
     return padded_rows * (groups * INT4_GROUP // 2 + groups * 4)
 
 

@@ -129,8 +129,11 @@ def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
 
 def test_int8_kernel_names_its_instructions_and_refuses_a_bad_width(ext):
     flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    vnni = "+avx512vnni" if {"avx512_vnni", "avx512vl"} <= flags else "+avxvnni" if "avx_vnni" in flags else ""
-    assert ext.int8_units() == ("avx2" + vnni if "avx2" in flags else "scalar")
+    if {"avx512f", "avx512bw"} <= flags:
+        want = "avx512bw" + ("+avx512vnni" if "avx512_vnni" in flags else "")
+    else:
+        want = "avx2" + ("+avxvnni" if "avx_vnni" in flags else "") if "avx2" in flags else "scalar"
+    assert ext.int8_units() == want
     with pytest.raises(RuntimeError, match="k rounded up to 32"):
         ext.gemv_int8(torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
 
@@ -144,24 +147,28 @@ def test_int4_gemm_equals_the_dequantized_weight(n, k, start, ext):
 
     g = torch.Generator().manual_seed(4)
     qw = quantize_int4(torch.randn(n, k, generator=g), start, start + k + 7)
-    assert qw.pad_left == start % 32 and qw.packed.shape == (n, (qw.pad_left + k + qw.pad_right) // 2)
+    tiles, groups = -(-n // 16), (qw.pad_left + k + qw.pad_right) // 32
+    assert qw.pad_left == start % 32 and qw.packed.shape == (tiles, groups, 256)
+    assert qw.scales_zeros.shape == (tiles, groups, 32)
     dequantized = qw.dequantized()  # (n, k)
     x = torch.randn(40, k, generator=g)
     padded = F.pad(x, (qw.pad_left, qw.pad_right))  # the kernel quantizes the input where the groups fall
     seen = _blocks_of_32(padded)[:, qw.pad_left:qw.pad_left + k]
-    got = ext.gemm_int4(x, qw.packed, qw.scales_zeros, qw.pad_left)
+    got = ext.gemm_int4(x, *qw.kernel_args())
     seen = seen @ dequantized.T
     assert (got - seen).abs().max() <= 1e-4 * seen.abs().max()
     want = x @ dequantized.T
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
-    alone = torch.cat([ext.gemm_int4(x[j:j + 1], qw.packed, qw.scales_zeros, qw.pad_left) for j in range(16)])
+    alone = torch.cat([ext.gemm_int4(x[j:j + 1], *qw.kernel_args()) for j in range(16)])
     for b in (2, 3, 16):
-        assert torch.equal(ext.gemm_int4(x[:b], qw.packed, qw.scales_zeros, qw.pad_left), alone[:b]), b
+        assert torch.equal(ext.gemm_int4(x[:b], *qw.kernel_args()), alone[:b]), b
     torch.testing.assert_close(qw.matmul_t(x), want, atol=1e-4, rtol=1e-4)  # no kernels: dequantized, float
     qw.gemv = ext
     assert torch.equal(qw.matmul_t(x[:3]), got[:3])
-    with pytest.raises(RuntimeError, match="do not fit codes"):
-        ext.gemm_int4(torch.randn(1, k + 64), qw.packed, qw.scales_zeros, qw.pad_left)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        ext.gemm_int4(torch.randn(1, k + 64), *qw.kernel_args())
+    with pytest.raises(RuntimeError, match=f"{n + 16} rows need"):
+        ext.gemm_int4(x, qw.packed, qw.scales_zeros, qw.pad_left, n + 16)
 
 
 def test_int4_dequantized_matches_the_codes():
@@ -171,8 +178,10 @@ def test_int4_dequantized_matches_the_codes():
     w = torch.randn(7, 70, generator=torch.Generator().manual_seed(5))
     q, scale, zero, left, right = int4_codes(w, start=20, total=100)
     qw = pack_int4(q, scale, zero, 32, left, right)
-    sz = qw.scales_zeros.float()  # (7, groups, 2), rounded to bfloat16 as stored
-    want = ((q.float().view(7, -1, 32) - 8) * sz[..., :1] + sz[..., 1:]).view(7, -1)[:, left:left + 70]
+    codes, s, z = qw.codes()
+    assert torch.equal(codes, q.to(torch.uint8))
+    assert torch.equal(s, scale.bfloat16().float()) and torch.equal(z, zero.bfloat16().float())  # stored in bfloat16
+    want = ((q.float().view(7, -1, 32) - 8) * s[..., None] + z[..., None]).view(7, -1)[:, left:left + 70]
     assert torch.equal(qw.dequantized(), want)
     assert (qw.dequantized() - w).abs().max() <= (scale.max() / 2) * 1.05  # half a step, bfloat16 scales
 
@@ -197,13 +206,13 @@ def test_quantized_partial_sums_add_up_to_the_whole_bit_for_bit(kind, parts, ext
                  for a, b in zip(bounds, bounds[1:])]
     else:
         full = quantize_int4(w)
-        whole = ext.gemm_int4(x, full.packed, full.scales_zeros, 0, exact=True)
-        fast = ext.gemm_int4(x, full.packed, full.scales_zeros, 0)
+        whole = ext.gemm_int4(x, *full.kernel_args(), exact=True)
+        fast = ext.gemm_int4(x, *full.kernel_args())
         wides = []
         for a, b in zip(bounds, bounds[1:]):
             part = quantize_int4(w[:, a:b], a, k)
             assert torch.equal(part.dequantized(), full.dequantized()[:, a:b])
-            wides.append(ext.gemm_int4(x[:, a:b], part.packed, part.scales_zeros, part.pad_left, wide=True))
+            wides.append(ext.gemm_int4(x[:, a:b], *part.kernel_args(), wide=True))
     assert all(p.dtype == torch.float64 for p in wides)
     assert torch.equal(sum(wides).float(), whole)
     torch.testing.assert_close(fast, whole, atol=1e-4, rtol=1e-4)  # float sums: for rows no rank splits
@@ -222,7 +231,7 @@ def test_a_nan_input_gives_nan_rows_not_garbage(ext):
     bad = x.clone()
     bad[1, 5] = float("nan")
     q8, q4 = quantize_int8(w), quantize_int4(w)
-    for run in (lambda t: ext.gemv_int8(t, q8.q, q8.scale), lambda t: ext.gemm_int4(t, q4.packed, q4.scales_zeros, 0)):
+    for run in (lambda t: ext.gemv_int8(t, q8.q, q8.scale), lambda t: ext.gemm_int4(t, *q4.kernel_args())):
         clean, got = run(x), run(bad)
         assert torch.isnan(got[1]).all() and torch.equal(got[[0, 2]], clean[[0, 2]])
 

@@ -37,7 +37,7 @@ def _int4(n, k, start, g):
 def _run(ext, kind, qw, x, exact=False, wide=False):
     if kind == "int8":
         return ext.prefill_int8(x, qw.q, qw.scale, exact, wide)
-    return ext.prefill_int4(x, qw.packed, qw.scales_zeros, qw.pad_left, exact, wide)
+    return ext.prefill_int4(x, *qw.kernel_args(), exact, wide)
 
 
 def _weight(kind, n, k, start, g):
@@ -109,7 +109,7 @@ def test_the_module_path_takes_prefill_kernels_for_passes_of_more_than_one_posit
     assert prefill_rows(prompt) and not prefill_rows(step) and not prefill_rows(step.view(4, 96))
     assert torch.equal(qw.matmul_t(prompt), _run(ext, kind, qw, prompt))
     decode = ext.gemv_int8(step, qw.q, qw.scale) if kind == "int8" else \
-        ext.gemm_int4(step, qw.packed, qw.scales_zeros, qw.pad_left)
+        ext.gemm_int4(step, *qw.kernel_args())
     assert torch.equal(qw.matmul_t(step), decode)
     half = qw.matmul_t(prompt.bfloat16())
     assert half.dtype == torch.bfloat16 and half.shape == (2, 9, 40)
@@ -119,8 +119,8 @@ def test_prefill_kernels_refuse_inputs_that_do_not_fit_the_codes(ext):
     with pytest.raises(RuntimeError, match="k rounded up to 32"):
         ext.prefill_int8(torch.randn(3, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
     qw = quantize_int4(torch.randn(8, 64))
-    with pytest.raises(RuntimeError, match="do not fit codes"):
-        ext.prefill_int4(torch.randn(3, 128), qw.packed, qw.scales_zeros, 0)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        ext.prefill_int4(torch.randn(3, 128), qw.packed, qw.scales_zeros, 0, qw.out)
 
 
 @pytest.mark.parametrize("n,k", [(301, 577), (17, 1000), (5, 40), (64, 32), (100, 77)])

@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "q4tiles.h"
 #include "qrows.h"
 #include "rows.h"
 
@@ -104,23 +105,47 @@ inline void gemv_segments(std::initializer_list<Segment<W>> segs, const float* x
   gemv_segment_list<W>(std::vector<Segment<W>>(segs), x, k, b, ldw);
 }
 
+// An int4 weight of n rows in q4tiles.h's row tiles (codes (tiles, groups, 256) uint8, scales and zeros (tiles,
+// groups, 32) bfloat16) whose k input columns start at column pad_left of its padded width, checked.
+inline Int4Tiles int4_tiles(const torch::Tensor& codes, const torch::Tensor& sz, int64_t n, int64_t k,
+                            int64_t pad_left, const char* who) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kByte && codes.is_contiguous() &&
+                  codes.size(2) == Q4TILE_BYTES && sz.dim() == 3 && sz.scalar_type() == torch::kBFloat16 &&
+                  sz.is_contiguous() && sz.size(2) == 2 * Q4TILE,
+              who, ": int4 weights as contiguous uint8 codes (tiles, groups, 256) and bfloat16 scales and zeros (tiles, "
+              "groups, 32) expected, got ", codes.sizes(), " ", codes.scalar_type(), " and ", sz.sizes(), " ",
+              sz.scalar_type());
+  const int64_t tiles = codes.size(0), groups = codes.size(1), kp = groups * QBLOCK;
+  TORCH_CHECK(n > 0 && tiles == (n + Q4TILE - 1) / Q4TILE && sz.size(0) == tiles && sz.size(1) == groups,
+              who, ": ", n, " rows need ", (n + Q4TILE - 1) / Q4TILE, " tiles; codes ", codes.sizes(), ", scales ",
+              sz.sizes());
+  TORCH_CHECK(pad_left >= 0 && pad_left + k <= kp && kp - pad_left - k < QBLOCK, who, ": inputs (..., ", k,
+              ") at column ", pad_left, " do not fit ", groups, " groups of ", QBLOCK, " columns");
+  return {codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sz.data_ptr()), n, groups};
+}
+
 // A linear weight as the fused kernels take it: codes (n, k) in the model's dtype; int8 codes (n, kp) whose rows
-// are padded with zero columns to kp = k rounded up to QBLOCK, with a float32 scale per row; or int4 codes
-// (n, kp / 2) with bfloat16 (scale, zero) pairs per group (n, kp / 32, 2), whose k input columns start at
-// column pad_left of kp (a row-parallel slice that starts inside a group).
+// are padded with zero columns to kp = k rounded up to QBLOCK, with a float32 scale per row; or an int4 weight of
+// `rows` rows in row tiles (int4_tiles), whose k input columns start at column pad_left of kp (a row-parallel
+// slice that starts inside a group).
 struct Linear {
   torch::Tensor w;
-  torch::Tensor scale;  // undefined for a float weight; (n,) float32 for int8; (n, groups, 2) bfloat16 for int4
+  torch::Tensor scale;  // undefined for a float weight; (n,) float32 for int8; (tiles, groups, 32) bfloat16 for int4
   int64_t pad_left = 0;
+  int64_t rows = 0;  // int4: the weight's real rows (its tiles hold a multiple of 16)
 
   bool quantized() const { return scale.defined(); }
   bool int4() const { return quantized() && w.scalar_type() == torch::kByte; }
-  int64_t padded_width() const { return int4() ? w.size(1) * 2 : w.size(1); }
+  int64_t out_rows() const { return int4() ? rows : w.size(0); }
+  int64_t padded_width() const { return int4() ? w.size(1) * QBLOCK : w.size(1); }
+  Int4Tiles tiles() const {
+    return {data<uint8_t>(w), data<uint16_t>(scale), rows, w.size(1)};
+  }
 };
 
 // The weight `i` of `ws`, with its scales and left padding when `scales` are given (int8 or int4 weights).
 inline Linear linear_of(const std::vector<torch::Tensor>& ws, const std::optional<std::vector<torch::Tensor>>& scales,
-                        const std::optional<std::vector<int64_t>>& pads, size_t i) {
+                        const std::optional<std::vector<std::pair<int64_t, int64_t>>>& pads, size_t i) {
   TORCH_CHECK(!scales.has_value() || scales->size() == ws.size(), "fused decode: ", ws.size(), " weights but ",
               scales->size(), " scales");
   TORCH_CHECK(!pads.has_value() || pads->size() == ws.size(), "fused decode: ", ws.size(), " weights but ",
@@ -130,7 +155,7 @@ inline Linear linear_of(const std::vector<torch::Tensor>& ws, const std::optiona
   // int8 scales arrive float32 from the CPU's Int8Weight (shardlm.quant); anything else is converted
   const bool convert = ws[i].scalar_type() == torch::kChar && (s.scalar_type() != torch::kFloat || !s.is_contiguous());
   const auto scale = convert ? s.to(torch::kFloat).contiguous() : s;
-  return {ws[i], scale, pads.has_value() ? (*pads)[i] : 0};
+  return {ws[i], scale, pads.has_value() ? (*pads)[i].first : 0, pads.has_value() ? (*pads)[i].second : 0};
 }
 
 // Check a weight that maps k inputs to n outputs, stored as the model's dtype, int8 or int4 (see Linear).
@@ -143,12 +168,8 @@ inline void check_linear(const Linear& l, c10::ScalarType dtype, const char* nam
   }
   const int64_t kp = (l.pad_left + k + QBLOCK - 1) / QBLOCK * QBLOCK;
   if (l.int4()) {
-    check(l.w, torch::kByte, name);
-    check(l.scale, torch::kBFloat16, "int4 scales");
-    TORCH_CHECK(l.w.dim() == 2 && l.w.size(0) == n && l.w.size(1) * 2 == kp && l.scale.dim() == 3 &&
-                    l.scale.size(0) == n && l.scale.size(1) == kp / QBLOCK && l.scale.size(2) == 2,
-                "fused decode: int4 ", name, " is ", l.w.sizes(), " with scales ", l.scale.sizes(), ", expected (", n,
-                ", ", kp / 2, ") and (", n, ", ", kp / QBLOCK, ", 2)");
+    TORCH_CHECK(l.rows == n, "fused decode: int4 ", name, " has ", l.rows, " rows, expected ", n);
+    int4_tiles(l.w, l.scale, n, k, l.pad_left, "fused decode");
     return;
   }
   check(l.w, torch::kChar, name);
@@ -180,14 +201,15 @@ inline void project_quantized(const std::vector<std::pair<const Linear*, T*>>& o
                     l->padded_width() == first.padded_width(), "fused decode: weights read together differ in form");
   QuantRows xq;
   quantize_padded(x, b, k, first.pad_left, first.padded_width(), xq);
+  // the parallel range counts int8 rows or int4 tiles of 16 rows (each weight's size(0))
   int64_t total = 0;
   for (auto [l, y] : o) total += l->w.size(0);
-  at::parallel_for(0, total, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, total, first.int4() ? 1 : 16, [&](int64_t lo, int64_t hi) {
     int64_t start = 0;
     for (auto [l, y] : o) {
       const int64_t n = l->w.size(0), a = std::max(lo, start), e = std::min(hi, start + n);
       if (a < e && l->int4())
-        q4rows<T>(data<uint8_t>(l->w), data<uint16_t>(l->scale), xq, y, n, b, a - start, e - start, exact);
+        q4rows_tiled<T>(l->tiles(), xq, y, b, a - start, e - start, exact);
       else if (a < e)
         qrows<T>(data<int8_t>(l->w), xq.kp, data<float>(l->scale), xq, y, n, b, a - start, e - start, exact);
       start += n;
@@ -215,7 +237,7 @@ inline void project(std::initializer_list<std::pair<const Linear*, float*>> outs
 template <typename W>
 inline torch::Tensor output_projection(const Linear& w, const float* x, int64_t k, int64_t b, bool finish,
                                        const torch::TensorOptions& opts) {
-  const int64_t n = w.w.size(0);
+  const int64_t n = w.out_rows();
   if (w.quantized() && !finish) {
     auto partial = torch::empty({b, n}, opts.dtype(torch::kDouble));
     project_quantized<double>({{&w, partial.data_ptr<double>()}}, x, k, b, true);
@@ -264,7 +286,7 @@ torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, const
                          {&vc, "value cache"}})
     check(*t, dtype, name);
   const int64_t b = x.size(0), dim = x.size(1), hd = kc.size(3), hkv = kc.size(1), max_len = kc.size(2);
-  const int64_t nq = wq.w.size(0), nk = hkv * hd, hq = nq / hd, slots = kc.size(0);
+  const int64_t nq = wq.out_rows(), nk = hkv * hd, hq = nq / hd, slots = kc.size(0);
   check_linear(wq, dtype, "q weight", nq, dim);
   check_linear(wk, dtype, "k weight", nk, dim);
   check_linear(wv, dtype, "v weight", nk, dim);
@@ -365,7 +387,7 @@ torch::Tensor mlp_decode_t(torch::Tensor x, torch::Tensor ln, double eps, const 
                            std::optional<torch::Tensor> bg, std::optional<torch::Tensor> bu, const Linear& wd,
                            std::optional<torch::Tensor> bd, bool finish) {
   for (auto [t, name] : {std::pair{&x, "x"}, {&ln, "norm weight"}}) check(*t, dtype_of<W>(), name);
-  const int64_t b = x.size(0), dim = x.size(1), n = wg.w.size(0);
+  const int64_t b = x.size(0), dim = x.size(1), n = wg.out_rows();
   check_linear(wg, dtype_of<W>(), "gate weight", n, dim);
   check_linear(wu, dtype_of<W>(), "up weight", n, dim);
   check_linear(wd, dtype_of<W>(), "down weight", dim, n);
@@ -393,7 +415,7 @@ torch::Tensor mlp_decode_t(torch::Tensor x, torch::Tensor ln, double eps, const 
 
 // Entry points: dispatch on the model's dtype (x: float32 or bfloat16). The weights come as a list (q, k, v, o or
 // gate, up, down) in that dtype, or as int8 or int4 codes with `scales` (one tensor per weight) and, for int4,
-// `pads` (each weight's pad_left; see Linear).
+// `pads` (each weight's (pad_left, rows); see Linear).
 inline bool float_model(const torch::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
               "fused decode: float32 or bfloat16 activations, got ", x.scalar_type());
@@ -406,7 +428,7 @@ inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, 
                                  torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, torch::Tensor rows,
                                  torch::Tensor positions, torch::Tensor kv_map, torch::Tensor mask,
                                  std::optional<torch::Tensor> bo, bool finish,
-                                 std::optional<std::vector<int64_t>> pads) {
+                                 std::optional<std::vector<std::pair<int64_t, int64_t>>> pads) {
   TORCH_CHECK(weights.size() == 4, "fused decode: attention takes 4 weights (q, k, v, o), got ", weights.size());
   const Linear q = linear_of(weights, scales, pads, 0), k = linear_of(weights, scales, pads, 1),
                v = linear_of(weights, scales, pads, 2), o = linear_of(weights, scales, pads, 3);
@@ -417,7 +439,7 @@ inline torch::Tensor attn_decode(torch::Tensor x, torch::Tensor ln, double eps, 
 inline torch::Tensor mlp_decode(torch::Tensor x, torch::Tensor ln, double eps, std::vector<torch::Tensor> weights,
                                 std::optional<std::vector<torch::Tensor>> scales, std::optional<torch::Tensor> bg,
                                 std::optional<torch::Tensor> bu, std::optional<torch::Tensor> bd, bool finish,
-                                std::optional<std::vector<int64_t>> pads) {
+                                std::optional<std::vector<std::pair<int64_t, int64_t>>> pads) {
   TORCH_CHECK(weights.size() == 3, "fused decode: the MLP takes 3 weights (gate, up, down), got ", weights.size());
   const Linear g = linear_of(weights, scales, pads, 0), u = linear_of(weights, scales, pads, 1),
                d = linear_of(weights, scales, pads, 2);

@@ -72,39 +72,30 @@ torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale
   return y.view(lead).to(x_in.scalar_type());
 }
 
-// x (..., k) float32 or bfloat16; codes (n, kp / 2) uint8 and sz (n, kp / 32, 2) bfloat16 (qrows.h's int4
-// layout); x's k columns sit at [pad_left, pad_left + k) of kp, zeros around them -> (..., n) in x's dtype.
-// Any number of rows: decode and prefill alike read the codes as they are stored. `exact` and `wide` as for
-// gemv_int8.
-torch::Tensor gemm_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, bool exact,
-                        bool wide) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kByte && codes.is_contiguous(),
-              "gemm_int4: contiguous uint8 codes (n, kp / 2)");
-  TORCH_CHECK(sz.dim() == 3 && sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous(),
-              "gemm_int4: contiguous bfloat16 scales and zeros (n, kp / 32, 2)");
-  const int64_t n = codes.size(0), kp = codes.size(1) * 2, k = x_in.size(-1);
-  TORCH_CHECK(kp % shardlm::QBLOCK == 0 && pad_left >= 0 && pad_left + k <= kp && kp - pad_left - k < shardlm::QBLOCK &&
-                  sz.size(0) == n && sz.size(1) == kp / shardlm::QBLOCK && sz.size(2) == 2,
-              "gemm_int4: inputs (..., ", k, ") at column ", pad_left, " do not fit codes ", codes.sizes(),
-              " with scales ", sz.sizes());
+// x (..., k) float32 or bfloat16; an int4 weight of n rows in q4tiles.h's row tiles: codes (tiles, groups, 256)
+// uint8 and sz (tiles, groups, 32) bfloat16; x's k columns sit at [pad_left, pad_left + k) of kp = 32 * groups,
+// zeros around them -> (..., n) in x's dtype, in integer dot products. `exact` and `wide` as for gemv_int8.
+torch::Tensor gemm_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, int64_t n,
+                        bool exact, bool wide) {
+  const int64_t k = x_in.size(-1);
+  const shardlm::Int4Tiles w = shardlm::int4_tiles(codes, sz, n, k, pad_left, "gemm_int4");
+  const int64_t kp = w.groups * shardlm::QBLOCK;
   auto lead = x_in.sizes().vec();
   lead.pop_back();
   auto x = x_in.reshape({-1, k}).to(torch::kFloat).contiguous();
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
   shardlm::quantize_padded(x.data_ptr<float>(), b, k, pad_left, kp, xq);
-  const uint8_t* w = codes.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(sz.data_ptr());
   lead.push_back(n);
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
     double* yp = y.data_ptr<double>();
-    at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::q4rows<double>(w, s, xq, yp, n, b, lo, hi, true); });
+    at::parallel_for(0, w.tiles(), 1, [&](int64_t lo, int64_t hi) { shardlm::q4rows_tiled<double>(w, xq, yp, b, lo, hi, true); });
     return y.view(lead);
   }
   auto y = torch::empty({b, n}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::q4rows<float>(w, s, xq, yp, n, b, lo, hi, exact); });
+  at::parallel_for(0, w.tiles(), 1, [&](int64_t lo, int64_t hi) { shardlm::q4rows_tiled<float>(w, xq, yp, b, lo, hi, exact); });
   return y.view(lead).to(x_in.scalar_type());
 }
 
@@ -151,20 +142,11 @@ torch::Tensor prefill_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor sc
 }
 
 // Prefill with an int4 weight: the arguments of gemm_int4, computed by dequantized panels (qgemm.h).
-torch::Tensor prefill_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, bool exact,
-                           bool wide) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kByte && codes.is_contiguous() && sz.dim() == 3 &&
-                  sz.scalar_type() == torch::kBFloat16 && sz.is_contiguous(),
-              "prefill_int4: contiguous uint8 codes (n, kp / 2) and bfloat16 scales and zeros (n, kp / 32, 2)");
-  const int64_t n = codes.size(0), kp = codes.size(1) * 2, k = x_in.size(-1);
-  TORCH_CHECK(kp % shardlm::QBLOCK == 0 && pad_left >= 0 && pad_left + k <= kp && sz.size(0) == n &&
-                  sz.size(1) == kp / shardlm::QBLOCK && sz.size(2) == 2,
-              "prefill_int4: inputs (..., ", k, ") at column ", pad_left, " do not fit codes ", codes.sizes(),
-              " with scales ", sz.sizes());
-  const uint8_t* w = codes.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(sz.data_ptr());
-  return panel_product(x_in, kp, pad_left, n, exact, wide,
-                       [&](int64_t r0, float* out) { shardlm::widen_panel_int4(w, s, kp, n, r0, out); });
+torch::Tensor prefill_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, int64_t n,
+                           bool exact, bool wide) {
+  const shardlm::Int4Tiles w = shardlm::int4_tiles(codes, sz, n, x_in.size(-1), pad_left, "prefill_int4");
+  return panel_product(x_in, w.groups * shardlm::QBLOCK, pad_left, n, exact, wide,
+                       [&](int64_t r0, float* out) { shardlm::widen_panel_int4(w, r0, out); });
 }
 
 // Prefill with a float32 or bfloat16 weight (n, k): x (..., k) -> (..., n) in x's dtype through widened panels
@@ -189,14 +171,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_int8", &gemv_int8, "matrix product with int8 weights and per-row scales (wide: float64 out)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
   m.def("gemm_int4", &gemm_int4, "matrix product with int4 weights in groups of 32 (wide: float64 out)",
-        py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("exact") = false,
+        py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
   m.def("prefill_float", &prefill_float, "many-row product with float32 or bfloat16 weights through panels",
         py::arg("x"), py::arg("w"));
   m.def("prefill_int8", &prefill_int8, "many-row product with int8 weights through dequantized panels",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
   m.def("prefill_int4", &prefill_int4, "many-row product with int4 weights through dequantized panels",
-        py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("exact") = false,
+        py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");
   m.def("attn_decode", &shardlm::attn_decode, "attention half of a block for one new token per row");

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "q4tiles.h"
 #include "qrows.h"
 
 namespace shardlm {
@@ -102,19 +103,40 @@ inline void widen_panel_int8(const int8_t* q, int64_t kp, const float* scale, in
   widen_panel(kp, n, r0, out, [&](int64_t r, int64_t k) { return load8<int8_t>(q + r * kp + k) * scale[r]; });
 }
 
-// An int4 weight in qrows.h's layout (codes (n, kp / 2), scale and zero per (row, group) in bfloat16):
-// (q - 8) * scale + zero, as Int4Weight.dequantized computes it.
-inline void widen_panel_int4(const uint8_t* codes, const uint16_t* sz, int64_t kp, int64_t n, int64_t r0,
-                             float* out) {
-  const int64_t groups = kp / QBLOCK;
-  widen_panel(kp, n, r0, out, [&](int64_t r, int64_t k) {
-    const int64_t g = k / QBLOCK, i = k % QBLOCK;  // columns i..i + 7 of group g: low nibbles below 16, high above
-    v8u8 bytes;
-    std::memcpy(&bytes, codes + r * (kp / 2) + g * 16 + i % 16, sizeof(bytes));
-    const v8i32 q = i < 16 ? __builtin_convertvector(bytes & 15, v8i32) : __builtin_convertvector(bytes >> 4, v8i32);
-    const float s = bf16_to_float(sz[(r * groups + g) * 2]), z = bf16_to_float(sz[(r * groups + g) * 2 + 1]);
-    return __builtin_convertvector(q - 8, v8f) * s + z;
-  });
+// An int4 weight in q4tiles.h's row tiles: (q - 8) * scale + zero, as Int4Weight.dequantized computes it, 16 rows
+// (one tile) at a time: a chunk's two bytes per row hold four of its columns (q4tiles.h), each one vector of 16
+// rows after a shift and a mask. Rows past the weight's tiles are zeros.
+inline void widen_panel_int4(const Int4Tiles& w, int64_t r0, float* out) {
+  typedef int32_t v16i __attribute__((vector_size(64)));
+  typedef float v16f __attribute__((vector_size(64)));
+  typedef uint16_t v16u __attribute__((vector_size(32)));
+  const int64_t kp = w.groups * QBLOCK;
+  for (int64_t part = 0; part < PANEL; part += Q4TILE) {
+    const int64_t t = (r0 + part) / Q4TILE;
+    if (t >= w.tiles()) {
+      for (int64_t k = 0; k < kp; ++k) std::fill(out + k * PANEL + part, out + k * PANEL + part + Q4TILE, 0.f);
+      continue;
+    }
+    for (int64_t g = 0; g < w.groups; ++g) {
+      v16u sb, zb;
+      std::memcpy(&sb, w.sz_at(t, g), sizeof(sb));
+      std::memcpy(&zb, w.sz_at(t, g) + Q4TILE, sizeof(zb));
+      // bfloat16 bits in the high half of a float32
+      const v16f s = reinterpret_cast<v16f>(__builtin_convertvector(sb, v16i) << 16);
+      const v16f z = reinterpret_cast<v16f>(__builtin_convertvector(zb, v16i) << 16);
+      for (int64_t ch = 0; ch < Q4CHUNKS; ++ch) {
+        v16u pair;  // row i's two bytes of the chunk
+        std::memcpy(&pair, w.at(t, g) + 32 * ch, sizeof(pair));
+        const v16i v = __builtin_convertvector(pair, v16i);
+        const int64_t cols[4] = {2 * ch, 2 * ch + 1, 16 + 2 * ch, 17 + 2 * ch};
+        const v16i q[4] = {v & 15, (v >> 8) & 15, (v >> 4) & 15, (v >> 12) & 15};
+        for (int c = 0; c < 4; ++c) {
+          const v16f deq = __builtin_convertvector(q[c] - 8, v16f) * s + z;
+          std::memcpy(out + (g * QBLOCK + cols[c]) * PANEL + part, &deq, sizeof(deq));
+        }
+      }
+    }
+  }
 }
 
 // A float32 or bfloat16 weight (n, k), rows k apart; columns past k (up to kp, a multiple of 8) as zeros.

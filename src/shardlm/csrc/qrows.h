@@ -1,5 +1,6 @@
-// Integer dot products for int8 and int4 weights: the activation rows are quantized once per call to int16 in
-// blocks of 32 (one float scale per block, max |x| / 32767), and each weight row's codes, widened to int16,
+// Integer dot products for int8 weights (int4 ones: q4tiles.h, on the same activation codes): the activation rows
+// are quantized once per call to int16 in blocks of 32 (one float scale per block, max |x| / 32767), and each
+// weight row's codes, widened to int16,
 // meet them 32 at a time in the CPU's integer units (AVX2 _mm256_madd_epi16: 16 products a vector, adjacent
 // pairs summed to int32), so a code is never converted to float. int16 rather than int8 activations (llama.cpp's
 // Q8_0 choice): int8 ones cost the bundled model 2.3 % more perplexity than bfloat16 ones (measured), int16 ones
@@ -79,12 +80,6 @@ inline Codes16 widen_int8(const int8_t* w) {
   return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1))};
 }
 
-inline Codes16 widen_nibbles(const uint8_t* w) {  // 16 bytes: low nibbles columns 0-15, high ones 16-31
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)), low = _mm_set1_epi8(15);
-  return {_mm256_cvtepu8_epi16(_mm_and_si128(raw, low)),
-          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low))};
-}
-
 // Eight int32 lanes of sum w[i] * x[i] over one block of 32 (int16 products, adjacent pairs summed). With VNNI
 // (AVX512-VNNI or AVX-VNNI) the second half's products are added by the dot-product instruction itself: one
 // instruction fewer per block, the same integers (neither form saturates).
@@ -101,10 +96,13 @@ inline __m256i block_dot(const Codes16& w, const int16_t* x) {
 }
 #endif
 
-// The instructions the integer dot products were built for (the build is -march=native: this CPU's).
+// The instructions the integer dot products were built for (the build is -march=native: this CPU's): with
+// AVX-512, int8 rows multiply-add in avx512bw and int4 tiles (q4tiles.h) in VNNI's dot products where present.
 inline std::string int8_units() {
-#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return "avx2+avx512vnni";
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return "avx512bw+avx512vnni";
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+  return "avx512bw";
 #elif defined(__AVX2__) && defined(__AVXVNNI__)
   return "avx2+avxvnni";
 #elif defined(__AVX2__)
@@ -168,6 +166,54 @@ struct DoubleSums {
 };
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// With AVX-512 a block of 32 codes is one vector of 32 int16 and meets the activation block in one multiply-add
+// (16 int32 lanes, adjacent pairs summed): four instructions a (row, block) where the 256-bit form takes seven.
+// The lanes then hold pairs, not the 256-bit form's quads, so an AVX-512 build rounds int8 sums differently
+// from an AVX2 one (each is batch-invariant and tensor-parallel-exact on its own).
+struct Codes32 {
+  __m512i v;
+};
+inline Codes32 widen_int8_32(const int8_t* w) {
+  return {_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)))};
+}
+inline __m512i block_dot32(const Codes32& w, const int16_t* x) {
+  return _mm512_madd_epi16(w.v, _mm512_loadu_si512(x));
+}
+struct FloatSums16 {
+  using Lane = __m512;
+  static constexpr int kLanes = 1;
+  static void zero(Lane* a) { a[0] = _mm512_setzero_ps(); }
+  static void add(Lane* a, __m512i isum, __m512 scale) { a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, a[0]); }
+  static float total(const Lane* a) {  // the sixteen lanes added in order
+    alignas(64) float l[16];
+    _mm512_store_ps(l, a[0]);
+    float s = 0.f;
+    for (int i = 0; i < 16; ++i) s += l[i];
+    return s;
+  }
+};
+struct DoubleSums16 {
+  using Lane = __m512d;
+  static constexpr int kLanes = 2;
+  static void zero(Lane* a) { a[0] = a[1] = _mm512_setzero_pd(); }
+  static void add(Lane* a, __m512i isum, __m512 scale) {
+    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale);
+    a[0] = _mm512_add_pd(a[0], _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+    a[1] = _mm512_add_pd(a[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1)));
+  }
+  static double total(const Lane* a) {
+    alignas(64) double l[16];
+    _mm512_store_pd(l, a[0]);
+    _mm512_store_pd(l + 8, a[1]);
+    double s = 0.0;
+    for (int i = 0; i < 16; ++i) s += l[i];
+    return s;
+  }
+};
+#define SHARDLM_Q8_WIDE 1
+#endif
+
 // The accumulator type of a tile: double for `exact` weights, float otherwise.
 template <bool Exact>
 using SumScalar = std::conditional_t<Exact, double, float>;
@@ -178,7 +224,25 @@ template <typename T, bool Exact, int R, int J>
 __attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, const float* scale,
                                                  const QuantRows& x, T* y, int64_t n, int64_t r0, int64_t j0) {
   using S = SumScalar<Exact>;
-#if defined(__AVX2__)
+#if defined(SHARDLM_Q8_WIDE)
+  using P = std::conditional_t<Exact, DoubleSums16, FloatSums16>;
+  typename P::Lane acc[R][J][P::kLanes];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) P::zero(acc[r][j]);
+  for (int64_t blk = 0; blk < x.blocks; ++blk) {
+    __m512 d[J];
+    for (int j = 0; j < J; ++j) d[j] = _mm512_set1_ps(x.scales[(j0 + j) * x.blocks + blk]);
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + r + PREFETCH_ROWS) * ldw + blk * QBLOCK), _MM_HINT_T0);
+      const Codes32 wv = widen_int8_32(w + (r0 + r) * ldw + blk * QBLOCK);
+      for (int j = 0; j < J; ++j)
+        P::add(acc[r][j], block_dot32(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j)
+      y[(j0 + j) * n + r0 + r] = static_cast<T>(static_cast<S>(scale[r0 + r]) * P::total(acc[r][j]));
+#elif defined(__AVX2__)
   using P = std::conditional_t<Exact, DoubleSums, FloatSums>;
   typename P::Lane acc[R][J][P::kLanes];
   for (int r = 0; r < R; ++r)
@@ -204,68 +268,7 @@ __attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, c
 #endif
 }
 
-// int4 weights (shardlm.quant.Int4Weight on the CPU): codes (n, kp / 2) two per byte, each group of 32
-// columns in 16 bytes, byte i holding column i in its low nibble and column 16 + i in its high one; scale and
-// zero per (row, group) as bfloat16 pairs (n, kp / 32, 2); W = (q - 8) * scale + zero, q in 0..15. Over a
-// group, sum W x = scale * sum q x + (zero - 8 * scale) * sum x, with x as its block's codes times their
-// scale: the codes, widened to int16, meet x's in the integer units, the second term uses the block's
-// precomputed sum. Accumulated as for int8.
-inline float group_sum_scalar(const uint8_t* w, const int16_t* xc) {
-  int32_t acc = 0;
-  for (int i = 0; i < 16; ++i) acc += (w[i] & 15) * xc[i] + (w[i] >> 4) * xc[16 + i];
-  return static_cast<float>(acc);
-}
-
-// The int4 counterpart of qtile: sum over groups of scale * sum q x + (zero - 8 * scale) * sum x.
-template <typename T, bool Exact, int R, int J>
-__attribute__((always_inline)) inline void q4tile(const uint8_t* w, const uint16_t* sz, const QuantRows& x, T* y,
-                                                  int64_t n, int64_t r0, int64_t j0) {
-  using S = SumScalar<Exact>;
-  const int64_t groups = x.blocks, ldw = x.kp / 2;
-  S zacc[R][J] = {};
-#if defined(__AVX2__)
-  using P = std::conditional_t<Exact, DoubleSums, FloatSums>;
-  typename P::Lane acc[R][J][P::kLanes];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) P::zero(acc[r][j]);
-#else
-  S acc[R][J] = {};
-#endif
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* wg = w + (r0 + r) * ldw + g * 16;
-#if defined(__AVX2__)
-      _mm_prefetch(reinterpret_cast<const char*>(wg + PREFETCH_ROWS * ldw), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(sz + ((r0 + r + PREFETCH_ROWS) * groups + g) * 2), _MM_HINT_T0);
-#endif
-      const float s = bf16_to_float(sz[((r0 + r) * groups + g) * 2]);
-      const float m = bf16_to_float(sz[((r0 + r) * groups + g) * 2 + 1]) - 8.f * s;
-#if defined(__AVX2__)
-      const Codes16 q = widen_nibbles(wg);
-#endif
-      for (int j = 0; j < J; ++j) {
-        const int64_t at = (j0 + j) * x.blocks + g;
-        const int16_t* xc = x.codes.data() + (j0 + j) * x.kp + g * QBLOCK;
-#if defined(__AVX2__)
-        P::add(acc[r][j], block_dot(q, xc), _mm256_set1_ps(s * x.scales[at]));
-#else
-        acc[r][j] += static_cast<S>(s * x.scales[at] * group_sum_scalar(wg, xc));
-#endif
-        zacc[r][j] += static_cast<S>(m) * x.sums[at];
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) {
-#if defined(__AVX2__)
-      y[(j0 + j) * n + r0 + r] = static_cast<T>(P::total(acc[r][j]) + zacc[r][j]);
-#else
-      y[(j0 + j) * n + r0 + r] = static_cast<T>(acc[r][j] + zacc[r][j]);
-#endif
-    }
-}
-
-// (The tiles are forced inline into `tile_rows`: called through the Int8Tiles/Int4Tiles functors, GCC kept them
+// (The tiles are forced inline into `tile_rows`: called through the Int8Tiles functor, GCC kept them
 // out of line and batch-8 int8 ran 12 % slower, measured.)
 // Every row in [lo, hi) against every activation row, in tiles `tile.run<R, J>(r0, j0)`: `Exact` tiles hold two
 // double vectors a pair, so four weight rows for one activation row and two by two for more; float ones eight
@@ -297,17 +300,6 @@ struct Int8Tiles {
   void run(int64_t r0, int64_t j0) const { qtile<T, Exact, R, J>(w, ldw, scale, x, y, n, r0, j0); }
 };
 
-template <typename T, bool Exact>
-struct Int4Tiles {
-  const uint8_t* w;
-  const uint16_t* sz;
-  const QuantRows& x;
-  T* y;
-  int64_t n;
-  template <int R, int J>
-  void run(int64_t r0, int64_t j0) const { q4tile<T, Exact, R, J>(w, sz, x, y, n, r0, j0); }
-};
-
 // Rows [lo, hi) of an int8 weight (rows ldw >= kp apart) against every quantized activation row; `exact`: sums
 // in double (see the top of this file).
 template <typename T>
@@ -317,16 +309,6 @@ inline void qrows(const int8_t* w, int64_t ldw, const float* scale, const QuantR
     tile_rows<true>(Int8Tiles<T, true>{w, ldw, scale, x, y, n}, b, lo, hi);
   else
     tile_rows<false>(Int8Tiles<T, false>{w, ldw, scale, x, y, n}, b, lo, hi);
-}
-
-// Rows [lo, hi) of an int4 weight against every quantized activation row (x.kp = the weight's padded width).
-template <typename T>
-inline void q4rows(const uint8_t* w, const uint16_t* sz, const QuantRows& x, T* y, int64_t n, int64_t b, int64_t lo,
-                   int64_t hi, bool exact) {
-  if (exact)
-    tile_rows<true>(Int4Tiles<T, true>{w, sz, x, y, n}, b, lo, hi);
-  else
-    tile_rows<false>(Int4Tiles<T, false>{w, sz, x, y, n}, b, lo, hi);
 }
 
 }  // namespace shardlm

@@ -51,14 +51,16 @@ def bf16_units() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def extension(kernel_dir: Path):
+def extension(kernel_dir: Path, arch: str = "native"):
     """The compiled decode kernels, building them into `kernel_dir` on first use; None when they cannot
-    be built here."""
+    be built here. `arch`: the -march target; "native" (this CPU) in use, older targets ("haswell": AVX2
+    without AVX-512, "x86-64": no vector extensions past SSE2) to test the fallbacks on this machine."""
     sources = sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
     # the folder is part of the key: the build command names the source path, so two checkouts sharing
     # one cache folder would otherwise rebuild each other's extension on every load
     digest = hashlib.sha1(str(CSRC).encode() + b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
-    name = f"shardlm_kernels_{cpu_tag()}_{digest}"
+    target = "" if arch == "native" else "_" + arch.replace("-", "_")
+    name = f"shardlm_kernels_{cpu_tag()}_{digest}{target}"
     if name not in _LOADED:
         build = Path(kernel_dir) / name
         try:
@@ -66,7 +68,7 @@ def extension(kernel_dir: Path):
 
             build.mkdir(parents=True, exist_ok=True)
             # no implicit contraction: every copy of a loop rounds alike (rows.h asks for FMA explicitly)
-            flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+            flags = ["-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=off"]
             _LOADED[name] = load(name, [str(CSRC / "kernels.cpp")], extra_cflags=flags, build_directory=str(build),
                                  verbose=False)
         except Exception as e:  # no compiler, no headers, an exotic CPU: fall back, say why once

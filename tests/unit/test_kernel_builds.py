@@ -1,0 +1,52 @@
+"""The kernels built for older CPUs than this one (AVX2 without AVX-512; no AVX at all) on this machine: each
+build names its instructions, and the int4 row tiles give the native build's numbers bit for bit (one
+arithmetic on every build, q4tiles.h), for decode and prefill row counts, split and whole; prefill panels equal
+wherever the CPU has FMA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlm.kernels import build
+from shardlm.quant import quantize_int4, quantize_int8
+from shardlm.settings import Settings
+
+TARGETS = {"haswell": ("avx2", {"avx2", "fma", "f16c"}), "x86-64": ("scalar", set())}
+
+
+@pytest.fixture(scope="module")
+def native():
+    ext = build.extension(Settings().kernel_dir)
+    if ext is None:
+        pytest.skip("the compiled kernels are unavailable on this machine (no compiler?)")
+    return ext
+
+
+@pytest.mark.parametrize("arch", list(TARGETS))
+def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, native, tmp_path_factory):
+    units, needs = TARGETS[arch]
+    if not needs <= build.cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
+    ext = build.extension(tmp_path_factory.mktemp(arch), arch=arch)
+    assert ext is not None, f"the {arch} build failed (see the warning logged above)"
+    assert ext.int8_units() == units
+    g = torch.Generator().manual_seed(11)
+    w, x = torch.randn(45, 200, generator=g), torch.randn(5, 200, generator=g)
+    whole = quantize_int4(w)
+    for rows in (1, 3, 5):  # decode: integer tiles, float and double sums
+        for exact in (False, True):
+            assert torch.equal(ext.gemm_int4(x[:rows], *whole.kernel_args(), exact),
+                               native.gemm_int4(x[:rows], *whole.kernel_args(), exact)), (rows, exact)
+    part = quantize_int4(w[:, 40:], 40, 200)  # a row-parallel slice starting inside a group
+    assert torch.equal(ext.gemm_int4(x[:, 40:], *part.kernel_args(), wide=True),
+                       native.gemm_int4(x[:, 40:], *part.kernel_args(), wide=True))
+    many = torch.randn(40, 200, generator=g)  # prefill: dequantized panels, one FMA chain per output
+    got, want = ext.prefill_int4(many, *whole.kernel_args()), native.prefill_int4(many, *whole.kernel_args())
+    if "fma" in needs:
+        assert torch.equal(got, want)
+    else:  # no FMA instruction: each product is rounded before its add, so the chains differ in the last bits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    q8 = quantize_int8(w)  # int8 rows: each build's own lane sums, the same value to float rounding
+    torch.testing.assert_close(ext.gemv_int8(x, q8.q, q8.scale), native.gemv_int8(x, q8.q, q8.scale),
+                               rtol=1e-5, atol=1e-5)
