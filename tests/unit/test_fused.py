@@ -8,7 +8,7 @@ import torch
 from conftest import RANDOM_MODELS
 from refs import build
 from shardlm.kernels import GEMV_MAX_ROWS
-from shardlm.kernels.fused import FusedDecode
+from shardlm.kernels.fused import FusedDecode, FusedStack
 from shardlm.runtime.step import Batch, Rows
 from shardlm.settings import Settings
 
@@ -186,3 +186,34 @@ def test_fused_path_skipped_where_it_does_not_apply(random_dirs):
     quantized = build(folder, quantization="int4", settings=Settings(kernels="onednn"))
     assert quantized.kernels.fused_layers == 0  # quantized, but no compiled kernels chosen
     assert quantized.module.model.layers["0"].decode_step is None
+
+
+def _teacher_forced(rank, prompts, tokens):
+    """Per-step logits (steps, b, vocab) of `tokens` fed after the prompts, through whatever steps are installed."""
+    batch = Batch.from_lists(prompts)
+    rows = Rows.for_model(rank, batch, len(tokens) + 1)
+    rows.forward(rank.module, batch.tokens, rows.prefill_mask())
+    return torch.stack([rows.forward(rank.module, t[:, None], rows.next_token())[:, -1] for t in tokens]).float()
+
+
+@pytest.mark.parametrize("name", ["gqa12x4", "biased_mha"])
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float32, "int8"),
+                                        (torch.float32, "int4"), (torch.bfloat16, "int4")])
+@torch.no_grad()
+def test_every_block_in_one_call_equals_the_blocks_one_by_one(name, dtype, kind, random_dirs):
+    """The one-rank stack (csrc/stack.h) runs every decode step of the run and gives the per-block fused path's
+    logits bit for bit, for float32, bfloat16, int8 and int4 weights, biases and grouped KV heads."""
+    model, args = _load(random_dirs[name], dtype=dtype, **({} if kind == "none" else {"quantization": kind}))
+    stack = model.module.decode_stack
+    assert isinstance(stack, FusedStack), "a one-rank model whose blocks all fuse gets the stack"
+    prompts = _prompts(args.vocab_size)
+    _, fed, _ = _decode_logits(model, args, prompts, 12, use_fused=False)  # tokens to feed both runs
+    counted = model.module.decode_stack = _Counted(stack)
+    try:
+        whole = _teacher_forced(model, prompts, fed)
+    finally:
+        model.module.decode_stack = None
+    blocks = _teacher_forced(model, prompts, fed)  # each block's FusedDecode in turn
+    model.module.decode_stack = stack
+    assert counted.runs == 12, "the stack did not run every decode step"
+    assert torch.equal(whole, blocks)

@@ -1,6 +1,7 @@
 // The compiled CPU decode kernels (one extension module, built once per machine by shardlm.kernels):
-// `gemv` here, the fused attention / MLP halves of a block in decode.h, the integer decode products with int8
-// and int4 weights in qrows.h and their prefill products (dequantized panels) in qgemm.h.
+// `gemv` here, the fused attention / MLP halves of a block in decode.h (every block in one call: stack.h), the
+// integer decode products with int8 and int4 weights in qrows.h and their prefill products (dequantized panels)
+// in qgemm.h.
 //
 // gemv: y[b, n] = sum_k x[b, k] * w[n, k] for a few rows b.
 //
@@ -16,6 +17,7 @@
 
 #include "decode.h"
 #include "qgemm.h"
+#include "stack.h"
 
 // x (..., k) float32 or bfloat16; w (n, k) float32 or bfloat16 contiguous -> (..., n) in x's dtype.
 // Accumulates in float32. One call per linear layer keeps the per-layer Python overhead small.
@@ -183,4 +185,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");
   m.def("attn_decode", &shardlm::attn_decode, "attention half of a block for one new token per row");
   m.def("mlp_decode", &shardlm::mlp_decode, "MLP half of a block up to the down projection");
+  // module_local: a build for another instruction set (tests load haswell and x86-64 builds) registers its own
+  py::class_<shardlm::DecodeStack>(m, "DecodeStack", py::module_local(),
+                                   "every block of a one-rank model in one call per decode step")
+      .def(py::init<const std::vector<std::vector<torch::Tensor>>&,
+                    const std::vector<std::optional<std::vector<torch::Tensor>>>&,
+                    const std::vector<std::optional<std::vector<std::pair<int64_t, int64_t>>>>&,
+                    const std::vector<std::vector<std::optional<torch::Tensor>>>&,
+                    const std::vector<std::pair<torch::Tensor, torch::Tensor>>&,
+                    const std::vector<std::pair<double, double>>&, const std::vector<torch::Tensor>&,
+                    const std::vector<std::pair<torch::Tensor, torch::Tensor>>&>(),
+           py::arg("weights"), py::arg("scales"), py::arg("pads"), py::arg("biases"), py::arg("norms"),
+           py::arg("eps"), py::arg("kv_maps"), py::arg("caches"))
+      .def("step", &shardlm::DecodeStack::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"),
+           py::arg("positions"), py::arg("mask"))
+      .def("__len__", &shardlm::DecodeStack::size);
 }

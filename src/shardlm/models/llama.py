@@ -187,6 +187,11 @@ class Backbone(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The whole decoder with its LM head; `forward` returns logits for the requested positions."""
 
+    decode_stack: Callable | None = None
+    """A step through every layer the runtime may install from outside (all fused CPU decode blocks in one
+    call): called as decode_stack(x, cos, sin, mask, cache), it returns the layers' output, or None when it does
+    not apply to this call (the layers then run one by one)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -206,8 +211,12 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs  # (b, s, dim)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        for layer in self.model.layers.values():
-            x = layer(x, cos, sin, mask, cache)
+        stacked = self.decode_stack(x, cos, sin, mask, cache) if self.decode_stack is not None else None
+        if stacked is not None:
+            x = stacked
+        else:
+            for layer in self.model.layers.values():
+                x = layer(x, cos, sin, mask, cache)
         if self.lm_head is None:
             return x
         if last_only and last_index is not None:
