@@ -1,6 +1,7 @@
 """The kernels built for older CPUs than this one (AVX2 without AVX-512; no AVX at all) on this machine: each
 build names its instructions, and the int4 row tiles give the native build's numbers bit for bit (one
 arithmetic on every build, q4tiles.h), for decode and prefill row counts, split and whole; prefill panels equal
+wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512) equal
 wherever the CPU has FMA."""
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
         assert torch.equal(got, want)
     else:  # no FMA instruction: each product is rounded before its add, so the chains differ in the last bits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for dtype in (torch.float32, torch.bfloat16):  # float rows: eight-lane accumulators on every build
+        wf, xs = torch.randn(37, 203, generator=g).to(dtype), torch.randn(17, 203, generator=g)
+        for b in (1, 2, 5, 8, 13, 17):
+            got, want = ext.gemv(xs[:b], wf), native.gemv(xs[:b], wf)
+            if "fma" in needs:
+                assert torch.equal(got, want), (dtype, b)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     q8 = quantize_int8(w)  # int8 rows: each build's own lane sums, the same value to float rounding
     torch.testing.assert_close(ext.gemv_int8(x, q8.q, q8.scale), native.gemv_int8(x, q8.q, q8.scale),
                                rtol=1e-5, atol=1e-5)
