@@ -17,7 +17,13 @@ def row_generators(seed: int, rows: int) -> list[torch.Generator]:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
-    """Pick one token per row of logits (b, vocab) -> (b,); row i draws from generators[i]."""
+    """Pick one token per row of logits (b, vocab) -> (b,); row i draws from generators[i].
+
+    A row draws one uniform number u from its generator and takes the first token whose cumulative
+    probability exceeds u (inverse-CDF sampling, cumulative sums in float64): the distribution
+    torch.multinomial samples, at one random number a row where multinomial draws one per vocabulary
+    entry (16 rows of a 49 152-token vocabulary: 24 ms against 5, measured; a serving step at
+    concurrency 16 spent a tenth of its time there)."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / params.temperature
@@ -33,4 +39,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)  # (b, vocab)
-    return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generators)])
+    return draw(probs, generators)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One index per row of probs (b, vocab) -> (b,), row i with its probabilities and generators[i] (see
+    `sample`). Never an index of probability 0."""
+    cdf = probs.double().cumsum(dim=-1)  # (b, vocab)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])  # (b,)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # (b,)
+    idx = idx.clamp_(max=probs.shape[-1] - 1)
+    bad = probs.gather(-1, idx[:, None])[:, 0] <= 0
+    if not bool(bad.any()):
+        return idx
+    # u * total rounded up to the total: take the row's last token of positive probability
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # (b,)
+    return torch.where(bad, last, idx)
