@@ -1,5 +1,7 @@
 """The fused CPU decode step (shardlm.kernels.fused, csrc/decode.h) against the module-by-module path."""
 
+import gc
+import weakref
 from contextlib import contextmanager
 
 import pytest
@@ -188,10 +190,13 @@ def test_fused_path_skipped_where_it_does_not_apply(random_dirs):
     assert quantized.module.model.layers["0"].decode_step is None
 
 
-def _teacher_forced(rank, prompts, tokens):
-    """Per-step logits (steps, b, vocab) of `tokens` fed after the prompts, through whatever steps are installed."""
+def _teacher_forced(rank, prompts, tokens, caches: list | None = None):
+    """Per-step logits (steps, b, vocab) of `tokens` fed after the prompts, through whatever steps are installed
+    (`caches`: gets a weak reference to the run's first key cache)."""
     batch = Batch.from_lists(prompts)
     rows = Rows.for_model(rank, batch, len(tokens) + 1)
+    if caches is not None:
+        caches.append(weakref.ref(next(iter(rows.cache.k.values()))))
     rows.forward(rank.module, batch.tokens, rows.prefill_mask())
     return torch.stack([rows.forward(rank.module, t[:, None], rows.next_token())[:, -1] for t in tokens]).float()
 
@@ -209,11 +214,15 @@ def test_every_block_in_one_call_equals_the_blocks_one_by_one(name, dtype, kind,
     prompts = _prompts(args.vocab_size)
     _, fed, _ = _decode_logits(model, args, prompts, 12, use_fused=False)  # tokens to feed both runs
     counted = model.module.decode_stack = _Counted(stack)
+    caches = []
     try:
-        whole = _teacher_forced(model, prompts, fed)
+        whole = _teacher_forced(model, prompts, fed, caches)
+        again = _teacher_forced(model, prompts, fed, caches)  # a new cache: the stack takes it at each call
     finally:
         model.module.decode_stack = None
     blocks = _teacher_forced(model, prompts, fed)  # each block's FusedDecode in turn
     model.module.decode_stack = stack
-    assert counted.runs == 12, "the stack did not run every decode step"
-    assert torch.equal(whole, blocks)
+    assert counted.runs == 24, "the stack did not run every decode step"
+    assert torch.equal(whole, blocks) and torch.equal(again, blocks)
+    gc.collect()
+    assert [ref() for ref in caches] == [None, None], "the stack kept a finished run's KV cache alive"

@@ -193,11 +193,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     const std::vector<std::optional<std::vector<std::pair<int64_t, int64_t>>>>&,
                     const std::vector<std::vector<std::optional<torch::Tensor>>>&,
                     const std::vector<std::pair<torch::Tensor, torch::Tensor>>&,
-                    const std::vector<std::pair<double, double>>&, const std::vector<torch::Tensor>&,
-                    const std::vector<std::pair<torch::Tensor, torch::Tensor>>&>(),
+                    const std::vector<std::pair<double, double>>&, const std::vector<torch::Tensor>&>(),
            py::arg("weights"), py::arg("scales"), py::arg("pads"), py::arg("biases"), py::arg("norms"),
-           py::arg("eps"), py::arg("kv_maps"), py::arg("caches"))
+           py::arg("eps"), py::arg("kv_maps"))
       .def("step", &shardlm::DecodeStack::step, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rows"),
-           py::arg("positions"), py::arg("mask"))
+           py::arg("positions"), py::arg("mask"), py::arg("caches"))
       .def("__len__", &shardlm::DecodeStack::size);
 }

@@ -150,33 +150,27 @@ class FusedStack:
     """Every block of a one-rank model in one compiled call per decode step (csrc/stack.h), installed as
     `model.decode_stack`: the same two fused halves per block as FusedDecode, in the same order, without the 60
     crossings from Python a step of 30 blocks made (about a third of an int4 batch-1 step, measured). It applies
-    when every block's step is still the FusedDecode it was built with and that step applies to the call; the
-    kernel object holds each block's tensors and the KV cache's, and is rebuilt when the cache's tensors change."""
+    when every block's step is still the FusedDecode it was built with and that step applies to the call. The
+    kernel object holds each block's weights, norms and KV map (rebuilt if a layer's KV map is replaced); the KV
+    caches are passed at each call, so a finished run's cache is freed with the run."""
 
     def __init__(self, ops, dtype: torch.dtype, layers: list[nn.Module]):
         self.ops, self.dtype, self.layers = ops, dtype, layers
         self.steps = [layer.decode_step for layer in layers]
         self.ids = [layer.self_attn.layer_id for layer in layers]
         self._kernel = None
-        self._held: list[torch.Tensor] = []
+        self._maps: list[torch.Tensor] = []
 
-    def _build(self, cache) -> None:
-        weights, scales, pads, biases, norms, eps, maps, caches = [], [], [], [], [], [], [], []
-        for layer, lid in zip(self.layers, self.ids):
-            linears = _linears(layer)
+    def _build(self) -> None:
+        weights, scales, pads, biases, norms, eps = [], [], [], [], [], []
+        for layer in self.layers:
             w, sc, pd = _weights(layer, self.dtype)
             weights.append(w), scales.append(sc), pads.append(pd)
-            biases.append([m.bias for m in linears])
+            biases.append([m.bias for m in _linears(layer)])
             a, b = layer.input_layernorm, layer.post_attention_layernorm
-            norms.append((a.weight, b.weight)), eps.append((a.eps, b.eps)), maps.append(layer.self_attn.kv_map)
-            caches.append((cache.k[lid], cache.v[lid]))
-        self._kernel = self.ops.DecodeStack(weights, scales, pads, biases, norms, eps, maps, caches)
-        self._held = [t for pair in caches for t in pair] + maps
-
-    def _same_tensors(self, cache) -> bool:
-        """Whether the kernel holds this cache's tensors and the layers' current KV maps."""
-        now = [t for i in self.ids for t in (cache.k[i], cache.v[i])] + [l.self_attn.kv_map for l in self.layers]
-        return len(now) == len(self._held) and all(a is b for a, b in zip(now, self._held))
+            norms.append((a.weight, b.weight)), eps.append((a.eps, b.eps))
+        self._maps = [layer.self_attn.kv_map for layer in self.layers]
+        self._kernel = self.ops.DecodeStack(weights, scales, pads, biases, norms, eps, self._maps)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                  cache) -> torch.Tensor | None:
@@ -186,11 +180,12 @@ class FusedStack:
             return None
         if not hasattr(cache, "k") or not self.steps[0].applies(x, mask, cache):
             return None
-        if not self._same_tensors(cache):
-            self._build(cache)
+        if self._kernel is None or not all(l.self_attn.kv_map is m for l, m in zip(self.layers, self._maps)):
+            self._build()
         cache.check_room(1)
         b, _, dim = x.shape
         _, _, rows, positions = cache.fused_target(self.ids[0])  # the kernel writes row j at its position
+        caches = [(cache.k[i], cache.v[i]) for i in self.ids]
         out = self._kernel.step(x.reshape(b, dim), cos.reshape(b, -1), sin.reshape(b, -1), rows, positions,
-                                mask.reshape(b, -1))  # (b, dim)
+                                mask.reshape(b, -1), caches)  # (b, dim)
         return out.view(b, 1, dim)
