@@ -168,6 +168,7 @@ def vllm_system(venv: Path, model: Path, tp: int) -> tuple:
 
     def start() -> str:
         port = free_port()
+        state["shm"] = set(Path("/dev/shm").glob("vllm_dist_*"))
         state["log"] = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=False)
         state["proc"] = vllm_server(venv, model, port, state["log"], tp)
         url = f"http://127.0.0.1:{port}"
@@ -186,6 +187,9 @@ def vllm_system(venv: Path, model: Path, tp: int) -> tuple:
             proc.wait(timeout=30)
         state["log"].close()
         os.unlink(state["log"].name)
+        # vLLM-CPU at tp > 1 leaves its shared-memory segments behind (4 MiB a rank); remove the ones this run made
+        for segment in set(Path("/dev/shm").glob("vllm_dist_*")) - state["shm"]:
+            segment.unlink(missing_ok=True)
 
     return start, stop
 

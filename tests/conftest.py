@@ -91,6 +91,18 @@ def prompt64(bundled_dir) -> list[int]:
     return ids[:64]
 
 
+@pytest.fixture(scope="session")
+def kernel_ext():
+    """The compiled CPU kernels of this machine; the test skips (naming why) where they do not build."""
+    from shardlm.kernels import build
+    from shardlm.settings import Settings
+
+    ops = build.extension(Settings().kernel_dir)
+    if ops is None:
+        pytest.skip("the compiled kernels do not build here (the log names why)")
+    return ops
+
+
 def read_json(path: Path) -> dict:
     """Parse a JSON file."""
     return json.loads(Path(path).read_text())

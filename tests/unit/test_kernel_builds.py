@@ -11,17 +11,13 @@ import torch
 
 from shardlm.kernels import build
 from shardlm.quant import quantize_int4, quantize_int8
-from shardlm.settings import Settings
 
 TARGETS = {"haswell": ("avx2", {"avx2", "fma", "f16c"}), "x86-64": ("scalar", set())}
 
 
 @pytest.fixture(scope="module")
-def native():
-    ext = build.extension(Settings().kernel_dir)
-    if ext is None:
-        pytest.skip("the compiled kernels are unavailable on this machine (no compiler?)")
-    return ext
+def native(kernel_ext):
+    return kernel_ext
 
 
 @pytest.mark.parametrize("arch", list(TARGETS))

@@ -10,18 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlm import kernels
 from shardlm.kernels import linear
 from shardlm.quant import int8_codes, pack_int8, prefill_rows, quantize_int4, quantize_int8
-from shardlm.settings import Settings
 
 
 @pytest.fixture(scope="module")
-def ext():
-    ops = kernels.extension(Settings().kernel_dir)
-    if ops is None:
-        pytest.skip("the compiled kernels do not build here (the log names why); the prefill kernels are theirs")
-    return ops
+def ext(kernel_ext):
+    return kernel_ext
 
 
 def _int8(n, k, g):

@@ -84,10 +84,7 @@ __attribute__((always_inline)) inline void q4_tile(const Int4Tiles& w, const Qua
   const __m512i low = _mm512_set1_epi16(15);
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* c = w.at(t, g);
-    _mm_prefetch(reinterpret_cast<const char*>(c + 8 * Q4TILE_BYTES), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(c + 8 * Q4TILE_BYTES + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(c + 8 * Q4TILE_BYTES + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(c + 8 * Q4TILE_BYTES + 192), _MM_HINT_T0);
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(c + 8 * Q4TILE_BYTES + 64 * l), _MM_HINT_T0);
     __m512i isum[J];
     for (int j = 0; j < J; ++j) isum[j] = _mm512_setzero_si512();
     for (int64_t ch = 0; ch < Q4CHUNKS; ++ch) {
@@ -137,10 +134,7 @@ __attribute__((always_inline)) inline void q4_tile(const Int4Tiles& w, const Qua
 }
 #elif defined(__AVX2__)
 constexpr int Q4J = 2;
-inline __m256 bf16x8(const uint16_t* p) {
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
+inline __m256 bf16x8(const uint16_t* p) { return reinterpret_cast<__m256>(load8<uint16_t>(p)); }  // rows.h
 inline __m256i madd_pairs(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVXVNNI__)
   return _mm256_dpwssd_avx_epi32(acc, w, x);
