@@ -90,6 +90,40 @@ def test_gemv_rows_do_not_depend_on_the_batch_around_them(n, k, dtype, ext):
     torch.testing.assert_close(alone, x @ w.float().T, atol=1e-3, rtol=1e-3)
 
 
+def _float_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The float kernel's documented arithmetic, emulated: eight float32 lanes per output, lane l fusing
+    w[i] * x[i] for i = l, l + 8, ... (one rounding per step), the lanes added in order from zero, then the
+    tail's rounded products in order. Returns (b, n) float32."""
+    w, x = w.float(), x.float()
+    k = w.shape[1]
+    kk = k - k % 8
+    wl = w[:, :kk].double().reshape(w.shape[0], kk // 8, 8)  # (n, chunks, 8 lanes)
+    xl = x[:, :kk].double().reshape(x.shape[0], kk // 8, 8)  # (b, chunks, 8 lanes)
+    acc = torch.zeros(x.shape[0], w.shape[0], 8)  # (b, n, 8) float32
+    for c in range(kk // 8):  # a float32 product is exact in float64: one rounding, as in an FMA
+        acc = (xl[:, None, c, :] * wl[None, :, c, :] + acc.double()).float()
+    s = torch.zeros(x.shape[0], w.shape[0])
+    for lane in range(8):
+        s = s + acc[:, :, lane]
+    for t in range(kk, k):
+        s = s + x[:, None, t] * w[None, :, t]
+    return s
+
+
+@pytest.mark.parametrize("n,k", [(37, 203), (16, 64), (9, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_follows_the_documented_arithmetic_bit_for_bit(n, k, dtype, ext):
+    """Every tile shape (one row, 256-bit pairs, 512-bit pairs, the lane sums) computes exactly the arithmetic
+    `rows.h` documents, so a faster tile can never change a token unnoticed."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(17, k, generator=g)
+    want = _float_rows_reference(x, w)
+    assert not torch.equal(want, (x.double() @ w.double().T).float()), "the reference must be able to differ"
+    for b in (1, 2, 5, 8, 17):
+        assert torch.equal(ext.gemv(x[:b], w), want[:b]), b
+
+
 def _blocks_of_32(x: torch.Tensor) -> torch.Tensor:
     """x (b, k) as the quantized kernels see it: each block of 32 rounded to int16 steps of its own scale,
     max|x| / 32767."""

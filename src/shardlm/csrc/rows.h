@@ -96,6 +96,38 @@ __attribute__((always_inline)) inline void prefetch_next_tile(const W* w, int64_
     __builtin_prefetch(reinterpret_cast<const void*>(base + ((r0 + R + r) * ldw + i) * sizeof(W)), 0, 3);
 }
 
+// out[o] = a[o][0] + a[o][1] + ... + a[o][7], added in that order from zero (as `s = 0; s += lane` does), for n
+// accumulators. With AVX2, eight at a time: an 8 x 8 transpose puts lane l of the eight in register l, so eight
+// vector adds do what 64 scalar ones did, in the same order.
+__attribute__((always_inline)) inline void lane_sums8(const v8f* a, int n, float* out) {
+  int o = 0;
+#if defined(__AVX2__)
+  for (; o + 8 <= n; o += 8) {
+    __m256 r[8], t[8];
+    for (int q = 0; q < 8; ++q) r[q] = reinterpret_cast<__m256>(a[o + q]);
+    for (int q = 0; q < 8; q += 2) {  // t[q]: lanes 0,1 / 4,5 of rows q, q+1 interleaved; t[q+1]: lanes 2,3 / 6,7
+      t[q] = _mm256_unpacklo_ps(r[q], r[q + 1]);
+      t[q + 1] = _mm256_unpackhi_ps(r[q], r[q + 1]);
+    }
+    for (int q = 0; q < 8; q += 4) {  // r[q + m]: lane m (and m + 4 in the high half) of rows q..q+3
+      r[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
+      r[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xEE);
+      r[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+      r[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xEE);
+    }
+    __m256 s = _mm256_setzero_ps();
+    for (int m = 0; m < 4; ++m) s = _mm256_add_ps(s, _mm256_permute2f128_ps(r[m], r[m + 4], 0x20));  // lane m
+    for (int m = 0; m < 4; ++m) s = _mm256_add_ps(s, _mm256_permute2f128_ps(r[m], r[m + 4], 0x31));  // lane m+4
+    _mm256_storeu_ps(out + o, s);
+  }
+#endif
+  for (; o < n; ++o) {
+    float s = 0.f;
+    for (int l = 0; l < 8; ++l) s += a[o][l];
+    out[o] = s;
+  }
+}
+
 // y[j, r] for R weight rows from r0 and J rows of x from j0. Each (r, j) pair keeps its own eight-lane
 // accumulator over k in steps of 8, then adds the lanes in order and the tail: the same arithmetic
 // whatever R, J or the tile's place, so a row's result does not depend on the batch around it. R x J
@@ -147,24 +179,35 @@ inline void tile_pairs(const W* w, int64_t ldw, const float* x, const float* xp,
   for (int64_t i = 0; i < kk; i += 8) {
     if (j0 == 0) prefetch_next_tile<W, R>(w, ldw, r0, i);
     __m512 xv[P];
-    for (int p = 0; p < P; ++p) xv[p] = _mm512_loadu_ps(xq + p * 2 * kk + 2 * i);
+    for (int p = 0; p < P; ++p) {
+      // Loaded once into a register: without the empty asm GCC folds this load into each of the R FMAs below
+      // (R loads of the same 64 bytes per pair; the load ports, not the FMA units, then set the pace).
+      __m512 v = _mm512_loadu_ps(xq + p * 2 * kk + 2 * i);
+      asm("" : "+v"(v));
+      xv[p] = v;
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 wv = _mm512_broadcast_f32x8(reinterpret_cast<__m256>(load8<W>(w + (r0 + r) * ldw + i)));
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(wv, xv[p], acc[r][p]);
     }
   }
+  v8f halves[R * P * 2];  // (r, p, h): the eight lanes of pair p's row 2p + h
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) {
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, acc[r][p]);
+      halves[(r * P + p) * 2] = reinterpret_cast<v8f>(_mm512_castps512_ps256(acc[r][p]));
+      halves[(r * P + p) * 2 + 1] =
+          reinterpret_cast<v8f>(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][p]), 1)));
+    }
+  float sums[R * P * 2];
+  lane_sums8(halves, R * P * 2, sums);
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
       for (int h = 0; h < 2; ++h) {
         const int64_t j = j0 + 2 * p + h;
-        float s = 0.f;
-        for (int l = 0; l < 8; ++l) s += lanes[8 * h + l];
+        float s = sums[(r * P + p) * 2 + h];
         for (int64_t t = kk; t < k; ++t) s += load<W>(w, (r0 + r) * ldw + t) * x[j * k + t];
         y[j * n + r0 + r] = s;
       }
-    }
 }
 
 // x's rows interleaved pairwise in chunks of 8 for tile_pairs (b / 2 pairs; an odd last row is left out), in a
