@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attend.h"
 #include "q4tiles.h"
 #include "qrows.h"
 #include "rows.h"
@@ -340,38 +341,9 @@ torch::Tensor attn_decode_t(torch::Tensor x, torch::Tensor ln, double eps, const
   float* op = heads.data_ptr<float>();
   const int64_t* map = kv_map.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   for (int64_t h = 0; h < hq; ++h)
     TORCH_CHECK(map[h] >= 0 && map[h] < hkv, "fused decode: kv_map[", h, "] = ", map[h], " is not a local KV head");
-  at::parallel_for(0, b * hq, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> p(t);
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t j = task / hq, h = task % hq;
-      const float* qv = qp + task * hd;  // (j, h) of q (b, hq, hd)
-      const W* keys = kcp + (row_of[j] * hkv + map[h]) * max_len * hd;
-      const W* vals = vcp + (row_of[j] * hkv + map[h]) * max_len * hd;
-      const bool* allowed = mp + j * t;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < t; ++s) {
-        p[s] = allowed[s] ? dot<W>(keys + s * hd, qv, hd) * scale : -std::numeric_limits<float>::infinity();
-        top = std::max(top, p[s]);
-      }
-      float total = 0.f;
-      for (int64_t s = 0; s < t; ++s) {
-        p[s] = allowed[s] ? std::exp(p[s] - top) : 0.f;
-        total += p[s];
-      }
-      float* o = op + task * hd;
-      std::fill(o, o + hd, 0.f);
-      for (int64_t s = 0; s < t; ++s) {
-        if (!allowed[s]) continue;
-        const float w = p[s] / total;
-        const W* vs = vals + s * hd;
-#pragma omp simd
-        for (int64_t i = 0; i < hd; ++i) o[i] += w * load<W>(vs, i);
-      }
-    }
-  });
+  attend_heads<W>(qp, kcp, vcp, row_of, map, mp, op, b, hq, hkv, hd, max_len, t);
   auto out = output_projection<W>(wo, op, nq, b, finish, opts);
   if (out.scalar_type() == torch::kDouble) return out;  // quantized partial sums: all-reduced in float64
   if (finish) add_rows(mutable_data<float>(out), ptr_or_null(bo32), x32.data_ptr<float>(), b, dim);
@@ -406,7 +378,7 @@ torch::Tensor mlp_decode_t(torch::Tensor x, torch::Tensor ln, double eps, const 
   project<W>({{&wg, gp}, {&wu, ap}}, xn.data_ptr<float>(), dim, b);
   add_rows(gp, ptr_or_null(bg32), nullptr, b, n);
   add_rows(ap, ptr_or_null(bu32), nullptr, b, n);
-  for (int64_t i = 0; i < b * n; ++i) ap[i] *= gp[i] / (1.f + std::exp(-gp[i]));  // silu(g) * u
+  silu_mul(ap, gp, b * n);  // silu(g) * u
   auto out = output_projection<W>(wd, ap, n, b, finish, opts);
   if (out.scalar_type() == torch::kDouble) return out;  // quantized partial sums: all-reduced in float64
   if (finish) add_rows(mutable_data<float>(out), ptr_or_null(bd32), x32.data_ptr<float>(), b, dim);

@@ -1,0 +1,164 @@
+// Decode attention over the KV cache and the MLP's activation, vectorised: an exp over eight lanes, silu(g) * u,
+// and each row's attention for a run of query heads that read one KV head.
+#pragma once
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+#include "rows.h"
+
+namespace shardlm {
+
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+
+// e^x in each lane, within 2 ulp of the true value (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, then
+// 2^n through the exponent bits). x is clamped to [-87, 88] (e^-87 = 1.6e-38 stands in for anything smaller, e^88 =
+// 1.7e38 for anything larger); a NaN stays NaN. Lane by lane: a value does not depend on its neighbours, so a row's
+// result does not depend on the rows batched with it. Every product and sum is rounded on its own (the build turns
+// contraction off), so the same x gives the same e^x on every CPU this builds for.
+inline v8f exp8(v8f x) {
+  const v8f hi = v8f{} + 88.f, lo = v8f{} - 87.f;
+  x = x > hi ? hi : x;  // a NaN fails both tests and stays
+  x = x < lo ? lo : x;
+  const v8f fx = x * 1.44269504088896341f + 0.5f;
+  v8f n = __builtin_convertvector(__builtin_convertvector(fx, v8i32), v8f);  // truncation ...
+  n = n > fx ? n - 1.f : n;                                                   // ... then floor
+  x = x - n * 0.693359375f;  // ln 2 in two parts: the first exact in few bits, so n * it is exact
+  x = x - n * -2.12194440e-4f;
+  v8f p = v8f{} + 1.9875691500e-4f;
+  p = p * x + 1.3981999507e-3f;
+  p = p * x + 8.3334519073e-3f;
+  p = p * x + 4.1665795894e-2f;
+  p = p * x + 1.6666665459e-1f;
+  p = p * x + 5.0000001201e-1f;
+  p = p * (x * x) + x + 1.f;
+  const v8i32 bits = (__builtin_convertvector(n, v8i32) + 127) << 23;  // 2^n, n in [-126, 127]
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// a[i] = silu(g[i]) * a[i] = g[i] / (1 + e^-g[i]) * a[i] over n values, eight at a time (the last few through the
+// same eight-lane code, so every value is computed alike).
+inline void silu_mul(float* a, const float* g, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i);
+    v8f gv{}, av{};
+    std::memcpy(&gv, g + i, m * sizeof(float));
+    std::memcpy(&av, a + i, m * sizeof(float));
+    av = av * (gv / (1.f + exp8(-gv)));
+    std::memcpy(a + i, &av, m * sizeof(float));
+  }
+}
+
+// p[s] = e^(p[s] - top) where allowed[s], else 0, over t scores; returns their sum, added in order s = 0, 1, ...
+inline float softmax_weights(float* p, const bool* allowed, float top, int64_t t) {
+  for (int64_t s = 0; s < t; s += 8) {
+    const int64_t m = std::min<int64_t>(8, t - s);
+    v8f v{};
+    std::memcpy(&v, p + s, m * sizeof(float));
+    v = exp8(v - top);
+    std::memcpy(p + s, &v, m * sizeof(float));
+  }
+  float total = 0.f;
+  for (int64_t s = 0; s < t; ++s) {
+    p[s] = allowed[s] ? p[s] : 0.f;
+    total += p[s];
+  }
+  return total;
+}
+
+// p[s] = K[s] . q for t keys of hd values (keys `hd` apart): eight keys at a time, each key's eight lanes fused over
+// hd in order, the lanes added in order (lane_sums8), then the products past the last multiple of 8; a score does
+// not depend on t or on the key's place.
+template <typename W>
+inline void key_scores(const W* keys, const float* q, float* p, int64_t t, int64_t hd) {
+  const int64_t hh = hd - hd % 8;
+  v8f acc[8];
+  float out[8];
+  int64_t s0 = 0;
+  for (; s0 + 8 <= t; s0 += 8) {
+    for (int r = 0; r < 8; ++r) acc[r] = v8f{};
+    for (int64_t i = 0; i < hh; i += 8) {
+      const v8f qv = load8<float>(q + i);
+      for (int r = 0; r < 8; ++r) acc[r] = fma8(load8<W>(keys + (s0 + r) * hd + i), qv, acc[r]);
+    }
+    lane_sums8(acc, 8, p + s0);
+  }
+  for (; s0 < t; ++s0) {  // the last few keys, one at a time, alike
+    acc[0] = v8f{};
+    for (int64_t i = 0; i < hh; i += 8) acc[0] = fma8(load8<W>(keys + s0 * hd + i), load8<float>(q + i), acc[0]);
+    lane_sums8(acc, 1, out);
+    p[s0] = out[0];
+  }
+  if (hh < hd)
+    for (int64_t s = 0; s < t; ++s)
+      for (int64_t i = hh; i < hd; ++i) p[s] += load<W>(keys, s * hd + i) * q[i];
+}
+
+// o[0:64] = sum_s w[s] V[s, 0:64] over t values `ld` apart, skipping zero weights: eight accumulators that stay in
+// registers while the values stream (indexed only by constants).
+template <typename W>
+__attribute__((always_inline)) inline void values_block64(const W* vals, int64_t ld, const float* w, float* o,
+                                                          int64_t t) {
+  v8f acc[8];
+  for (int c = 0; c < 8; ++c) acc[c] = v8f{};
+  for (int64_t s = 0; s < t; ++s) {
+    if (w[s] == 0.f) continue;
+    const v8f ws = v8f{} + w[s];
+    for (int c = 0; c < 8; ++c) acc[c] = fma8(load8<W>(vals + s * ld + 8 * c), ws, acc[c]);
+  }
+  for (int c = 0; c < 8; ++c) std::memcpy(o + 8 * c, &acc[c], sizeof(v8f));
+}
+
+// o = sum_s w[s] V[s] over t values of hd, skipping zero weights: blocks of 64 columns, then of eight (a column's
+// sum is the same chain of FMAs over s in either), then the last hd % 8 columns one at a time.
+template <typename W>
+inline void weighted_values(const W* vals, const float* w, float* o, int64_t t, int64_t hd) {
+  int64_t i = 0;
+  for (; i + 64 <= hd; i += 64) values_block64<W>(vals + i, hd, w, o + i, t);
+  for (; i + 8 <= hd; i += 8) {
+    v8f acc = v8f{};
+    for (int64_t s = 0; s < t; ++s)
+      if (w[s] != 0.f) acc = fma8(load8<W>(vals + s * hd + i), v8f{} + w[s], acc);
+    std::memcpy(o + i, &acc, sizeof(v8f));
+  }
+  for (; i < hd; ++i) {
+    float acc = 0.f;
+    for (int64_t s = 0; s < t; ++s)
+      if (w[s] != 0.f) acc += w[s] * load<W>(vals, s * hd + i);
+    o[i] = acc;
+  }
+}
+
+// Attention of one token per row j over the cache: for each query head h, softmax(K q_h / sqrt(hd)) V, with K and
+// V the rows of KV head map[h] of slot row_of[j], positions allowed by mask (b, t).
+//   q (b, hq, hd) float32; keys/vals: the cache (slots, hkv, max_len, hd) in W; out (b, hq, hd) float32.
+// Tasks are (row, head) pairs; each one's arithmetic is the same whatever the batch (batch invariance).
+template <typename W>
+void attend_heads(const float* q, const W* keys, const W* vals, const int64_t* row_of, const int64_t* map,
+                  const bool* mask, float* out, int64_t b, int64_t hq, int64_t hkv, int64_t hd, int64_t max_len,
+                  int64_t t) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, b * hq, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> p(static_cast<size_t>(t));
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t j = task / hq, h = task % hq;
+      const int64_t base = (row_of[j] * hkv + map[h]) * max_len * hd;
+      const bool* allowed = mask + j * t;
+      key_scores<W>(keys + base, q + task * hd, p.data(), t, hd);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < t; ++s) {
+        p[s] = p[s] * scale;
+        if (allowed[s]) top = std::max(top, p[s]);
+      }
+      const float inv = 1.f / softmax_weights(p.data(), allowed, top, t);
+      for (int64_t s = 0; s < t; ++s) p[s] = p[s] * inv;
+      weighted_values<W>(vals + base, p.data(), out + task * hd, t, hd);
+    }
+  });
+}
+
+}  // namespace shardlm
