@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "decode.h"
+#include "prefill_attn.h"
 #include "qgemm.h"
 #include "stack.h"
 
@@ -183,6 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");
+  m.def("prefill_attention", &shardlm::prefill_attention, "attention of every position of a prefill pass");
   m.def("attn_decode", &shardlm::attn_decode, "attention half of a block for one new token per row");
   m.def("mlp_decode", &shardlm::mlp_decode, "MLP half of a block up to the down projection");
   // module_local: a build for another instruction set (tests load haswell and x86-64 builds) registers its own

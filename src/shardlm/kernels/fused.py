@@ -127,15 +127,18 @@ class FusedDecode:
 
 
 def install_fused(model: nn.Module, ops, dtype: torch.dtype, fixed: bool = False) -> int:
-    """Give every block of `model` whose weights are plain `dtype` tensors a FusedDecode step (`fixed`: no layer
-    streams, so each step may keep its block's tensors); returns how many blocks got one (0 when `ops` is None or
-    `dtype` is not one the kernels run). Where every block got one, none streams and no projection is split
-    across ranks (tensor parallel 1), the model also gets a FusedStack: the whole step in one call."""
+    """Give every block of `model` the compiled prefill attention, and those whose weights are plain `dtype`
+    tensors a FusedDecode step (`fixed`: no layer streams, so each step may keep its block's tensors); returns how
+    many blocks got a step (0 when `ops` is None or `dtype` is not one the kernels run). Where every block got
+    one, none streams and no projection is split across ranks (tensor parallel 1), the model also gets a
+    FusedStack: the whole step in one call."""
     if ops is None or dtype not in DTYPES:
         return 0
     installed = 0
     layers = list(model.model.layers.values())
     for layer in layers:
+        if hasattr(ops, "prefill_attention"):
+            layer.self_attn.prefill_attention = ops.prefill_attention
         if plain_block(layer, dtype):
             layer.decode_step = FusedDecode(ops, dtype, fixed)
             installed += 1

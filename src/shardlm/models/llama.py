@@ -77,7 +77,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings and an optional KV cache."""
+    """Grouped-query attention with rotary embeddings and an optional KV cache.
+
+    `prefill_attention`, when a kernel is installed (CPU ranks, shardlm.kernels.fused), computes passes of more
+    than one position: prefill_attention(q, k, v, kv_map, mask) -> (b, hq, s, hd), skipping the keys no query of
+    a block may see; a position's result does not depend on the rows padded beside it or on where its chunk
+    started (csrc/prefill_attn.h). Otherwise SDPA."""
+
+    prefill_attention: Callable | None = None
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -107,7 +114,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)  # (b, hkv, t, hd)
-        out = grouped_attention(q, k, v, self.kv_map, mask, self.regular_gqa)  # (b, hq, s, hd)
+        if self.prefill_attention is not None and s > 1 and q.device.type == "cpu" and q.dtype == k.dtype:
+            out = self.prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.kv_map,
+                                         mask.expand(b, 1, s, k.shape[2]).contiguous())  # (b, hq, s, hd)
+        else:
+            out = grouped_attention(q, k, v, self.kv_map, mask, self.regular_gqa)  # (b, hq, s, hd)
         out = out.transpose(1, 2).reshape(b, s, -1)  # (b, s, hq*hd)
         return self.o_proj(out)
 

@@ -1,0 +1,224 @@
+// Prefill attention on CPU, blocked: MR query rows of one head at a time (qgemm.h's register tile shape), their
+// scores against the keys they may see as an FMA tile over K^T, each row's softmax on its own range, then P V as a
+// second FMA tile. Keys no row of a block may see are skipped, so a causal pass does about half the work of a full
+// one (SDPA's CPU kernel computes whole key blocks up to 512 wide).
+//
+// Same arithmetic whatever the batch or the chunk: a score is one FMA chain over the head dimension in order; a
+// row's softmax runs over its own allowed keys (max, e^x lane by lane, the sum in eight lanes from its first key);
+// an output is one FMA chain over keys in order, and the keys a row may not see add exact zeros. So a position's
+// result depends on its query and the keys and values it may see, not on the rows padded or blocked beside it,
+// nor on where a chunk of its prompt started.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <vector>
+#include "attend.h"
+#include "decode.h"
+#include "qgemm.h"
+
+namespace shardlm {
+
+// A block of rows' allowed key range: lo[r], hi[r] for each of its m rows of mask (each row t wide).
+inline void key_ranges(const bool* mask, int64_t m, int64_t t, int64_t* lo, int64_t* hi) {
+  for (int64_t r = 0; r < m; ++r) {
+    const bool* a = mask + r * t;
+    int64_t l = 0, h = t;
+    while (l < h && !a[l]) ++l;
+    while (h > l && !a[h - 1]) --h;
+    lo[r] = l, hi[r] = h;
+  }
+}
+
+// S[r, c] = sum_i q[r, i] * kt[i, c0 + c] for R rows (q rows hd apart) and columns [c0, c1) of kt (ldk apart, padded
+// by 2 VL zero columns past its end), into S (ldS apart).
+template <int R>
+inline void score_tile(const float* q, int64_t hd, const float* kt, int64_t ldk, int64_t c0, int64_t c1, float* S,
+                       int64_t ldS) {
+  for (int64_t c = c0; c < c1; c += 2 * VL) {
+    vpf acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vpf{};
+    for (int64_t i = 0; i < hd; ++i) {
+      const vpf k0 = load_p(kt + i * ldk + c), k1 = load_p(kt + i * ldk + c + VL);
+      for (int r = 0; r < R; ++r) {
+        const vpf qb = splat_p(q + r * hd + i);
+        acc[r][0] = fma_p(k0, qb, acc[r][0]);
+        acc[r][1] = fma_p(k1, qb, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(S + r * ldS + (c - c0), &acc[r][0], sizeof(vpf));
+      std::memcpy(S + r * ldS + (c - c0) + VL, &acc[r][1], sizeof(vpf));
+    }
+  }
+}
+
+// o[r, :] = sum_c P[r, c] * v[c0 + c, :] for R rows over columns [0, n) of P (ldP apart); v rows hd apart, hd a
+// multiple of 2 VL; o rows hd apart.
+template <int R>
+inline void value_tile(const float* P, int64_t ldP, const float* v, int64_t hd, int64_t n, float* o) {
+  for (int64_t d = 0; d < hd; d += 2 * VL) {
+    vpf acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vpf{};
+    for (int64_t c = 0; c < n; ++c) {
+      const vpf v0 = load_p(v + c * hd + d), v1 = load_p(v + c * hd + d + VL);
+      for (int r = 0; r < R; ++r) {
+        const vpf pb = splat_p(P + r * ldP + c);
+        acc[r][0] = fma_p(v0, pb, acc[r][0]);
+        acc[r][1] = fma_p(v1, pb, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(o + r * hd + d, &acc[r][0], sizeof(vpf));
+      std::memcpy(o + r * hd + d + VL, &acc[r][1], sizeof(vpf));
+    }
+  }
+}
+
+// Row p (n = hi - lo scores of its allowed range, scaled in place) -> softmax weights, masked keys 0. The max is
+// exact in any order; e^x is lane by lane; the sum runs in eight lanes from the row's first key, then the lanes in
+// order (lane_sums8). A range with no masked key inside (causal rows, padding, windows) skips the per-key test.
+inline void softmax_row(float* p, const bool* allowed, int64_t n, float scale) {
+  for (int64_t c = 0; c < n; ++c) p[c] = p[c] * scale;
+  const bool dense = std::find(allowed, allowed + n, false) == allowed + n;
+  float top = -std::numeric_limits<float>::infinity();
+  if (dense) {
+    v8f m8 = v8f{} + top;
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+      const v8f x = load8<float>(p + c);
+      m8 = x > m8 ? x : m8;
+    }
+    for (int l = 0; l < 8; ++l) top = std::max(top, m8[l]);
+    for (; c < n; ++c) top = std::max(top, p[c]);
+  } else {
+    for (int64_t c = 0; c < n; ++c)
+      if (allowed[c]) top = std::max(top, p[c]);
+  }
+  v8f lanes = v8f{};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    v8f x = exp8(load8<float>(p + c) - top);
+    if (!dense)
+      for (int l = 0; l < 8; ++l) x[l] = allowed[c + l] ? x[l] : 0.f;
+    lanes = lanes + x;
+    std::memcpy(p + c, &x, sizeof(x));
+  }
+  if (c < n) {
+    const int64_t m = n - c;
+    v8f x{};
+    std::memcpy(&x, p + c, m * sizeof(float));
+    x = exp8(x - top);
+    for (int64_t l = 0; l < 8; ++l) x[l] = l < m && allowed[c + l] ? x[l] : 0.f;
+    lanes = lanes + x;
+    std::memcpy(p + c, &x, m * sizeof(float));
+  }
+  float total;
+  lane_sums8(&lanes, 1, &total);
+  const float inv = 1.f / total;
+  for (int64_t k = 0; k < n; ++k) p[k] = p[k] * inv;
+}
+
+// One block: m <= R rows of head h of sequence j. qf (m, hd) float32; kt (hd, ldk) and vf (t, hdp) the KV head's
+// widened keys (transposed) and values (hdp: hd rounded up to 2 VL, zero columns past hd); out (m, hd) float32.
+template <int R>
+void attend_block(const float* qf, const float* kt, int64_t ldk, const float* vf, int64_t hdp, const bool* mask,
+                  int64_t m, int64_t t, int64_t hd, std::vector<float>& S, float* out) {
+  int64_t lo[R], hi[R];
+  key_ranges(mask, m, t, lo, hi);
+  int64_t c0 = t, c1 = 0;
+  for (int64_t r = 0; r < m; ++r)
+    if (lo[r] < hi[r]) c0 = std::min(c0, lo[r]), c1 = std::max(c1, hi[r]);
+  if (c0 >= c1) {
+    std::fill(out, out + m * hd, 0.f);
+    return;
+  }
+  const int64_t n = c1 - c0, ldS = n + 2 * VL;
+  S.assign(static_cast<size_t>(R * ldS), 0.f);
+  std::vector<float> qpad;
+  const float* qr = qf;
+  if (m < R) {  // a short last block: pad with zero rows (their results are dropped)
+    qpad.assign(static_cast<size_t>(R * hd), 0.f);
+    std::copy(qf, qf + m * hd, qpad.begin());
+    qr = qpad.data();
+  }
+  score_tile<R>(qr, hd, kt, ldk, c0, c1, S.data(), ldS);
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = S.data() + r * ldS;
+    if (r >= m || lo[r] >= hi[r]) {
+      std::fill(row, row + ldS, 0.f);
+      continue;
+    }
+    const int64_t a = lo[r] - c0, e = hi[r] - c0;
+    std::fill(row, row + a, 0.f);
+    softmax_row(row + a, mask + r * t + lo[r], e - a, scale);
+    std::fill(row + e, row + ldS, 0.f);
+  }
+  std::vector<float> o(static_cast<size_t>(R * hdp));
+  value_tile<R>(S.data(), ldS, vf + c0 * hdp, hdp, n, o.data());
+  for (int64_t r = 0; r < m; ++r) std::copy(o.begin() + r * hdp, o.begin() + r * hdp + hd, out + r * hd);
+}
+
+template <typename W>
+torch::Tensor prefill_attention_t(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const torch::Tensor& kv_map, const torch::Tensor& mask) {
+  const int64_t b = q.size(0), hq = q.size(1), s = q.size(2), hd = q.size(3), hkv = k.size(1), t = k.size(2);
+  const int64_t ldk = t + 2 * VL, hdp = (hd + 2 * VL - 1) / (2 * VL) * (2 * VL);
+  const W *qp = data<W>(q), *kp = data<W>(k), *vp = data<W>(v);
+  const int64_t* map = kv_map.data_ptr<int64_t>();
+  const bool* mp = mask.data_ptr<bool>();
+  for (int64_t h = 0; h < hq; ++h)
+    TORCH_CHECK(map[h] >= 0 && map[h] < hkv, "prefill attention: kv_map[", h, "] = ", map[h], " is not a KV head");
+  std::vector<float> kt(static_cast<size_t>(b * hkv * hd * ldk), 0.f), vf(static_cast<size_t>(b * hkv * t * hdp), 0.f);
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {  // widen: K transposed (hd, ldk), V (t, hdp)
+    for (int64_t g = lo; g < hi; ++g)
+      for (int64_t c = 0; c < t; ++c)
+        for (int64_t i = 0; i < hd; ++i) {
+          kt[(g * hd + i) * ldk + c] = load<W>(kp, (g * t + c) * hd + i);
+          vf[(g * t + c) * hdp + i] = load<W>(vp, (g * t + c) * hd + i);
+        }
+  });
+  auto out = torch::empty_like(q);
+  W* op = mutable_data<W>(out);
+  const int64_t blocks = (s + MR - 1) / MR;
+  at::parallel_for(0, b * hq * blocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> S, qf(static_cast<size_t>(MR * hd)), of(static_cast<size_t>(MR * hd));
+    for (int64_t task = lo; task < hi; ++task) {  // task = (j, h, block)
+      const int64_t j = task / (hq * blocks), h = (task / blocks) % hq, r0 = (task % blocks) * MR;
+      const int64_t m = std::min<int64_t>(MR, s - r0), g = j * hkv + map[h];
+      const int64_t first = ((j * hq + h) * s + r0) * hd;  // q and out offset of row r0
+      for (int64_t e = 0; e < m * hd; ++e) qf[e] = load<W>(qp, first + e);
+      attend_block<MR>(qf.data(), kt.data() + g * hd * ldk, ldk, vf.data() + g * t * hdp, hdp,
+                       mp + (j * s + r0) * t, m, t, hd, S, of.data());
+      for (int64_t e = 0; e < m * hd; ++e) op[first + e] = store<W>(of[e]);
+    }
+  });
+  return out;
+}
+
+// q (b, hq, s, hd), k and v (b, hkv, t, hd): contiguous, float32 or bfloat16 alike; kv_map (hq,) int64: the KV
+// head each query head reads; mask (b, 1, s, t) bool, True where a query may attend a key -> (b, hq, s, hd).
+inline torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kv_map,
+                                       torch::Tensor mask) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+                  q.size(3) == k.size(3),
+              "prefill attention: q (b, hq, s, hd) and k, v (b, hkv, t, hd) expected, got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(mask.dim() == 4 && mask.size(0) == q.size(0) && mask.size(1) == 1 && mask.size(2) == q.size(2) &&
+                  mask.size(3) == k.size(2) && mask.scalar_type() == torch::kBool,
+              "prefill attention: mask (b, 1, s, t) bool expected, got ", mask.sizes(), " ", mask.scalar_type());
+  TORCH_CHECK(kv_map.scalar_type() == torch::kLong && kv_map.numel() == q.size(1),
+              "prefill attention: kv_map (hq,) int64 expected");
+  for (auto [x, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&mask, "mask"}})
+    TORCH_CHECK(x->is_contiguous() && x->device().is_cpu(), "prefill attention: ", name,
+                " must be a contiguous CPU tensor");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "prefill attention: q, k and v in one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  if (q.scalar_type() == torch::kFloat) return prefill_attention_t<float>(q, k, v, kv_map, mask);
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "prefill attention: float32 or bfloat16, got ", q.scalar_type());
+  return prefill_attention_t<uint16_t>(q, k, v, kv_map, mask);
+}
+
+}  // namespace shardlm

@@ -1,0 +1,114 @@
+"""The CPU prefill attention kernel (csrc/prefill_attn.h) against float64 SDPA, and its invariances: a row's result
+alone equals the same row padded into a group, a prompt prefilled in chunks equals it prefilled at once, and the
+model path takes it for passes of more than one position."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardlm.runtime.step import attention_mask
+
+
+@pytest.fixture(scope="module")
+def ext(kernel_ext):
+    return kernel_ext
+
+
+def _reference(q, k, v, kv_map, mask):
+    """float64 SDPA with each query head reading KV head kv_map[h]."""
+    k, v = k.double().index_select(1, kv_map), v.double().index_select(1, kv_map)
+    return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask)
+
+
+def _inputs(b, hq, hkv, s, t, hd, dtype, g):
+    q = torch.randn(b, hq, s, hd, generator=g).to(dtype)
+    k = torch.randn(b, hkv, t, hd, generator=g).to(dtype)
+    v = torch.randn(b, hkv, t, hd, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("hd", [8, 12, 64, 80])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_matches_float64_sdpa(hd, dtype, ext):
+    """Odd head sizes (padded past the tile's columns), GQA with an irregular map (as uneven tp splits make), left
+    padding in one row, a sliding window, and a chunk that starts past position 0 (s < t)."""
+    g = torch.Generator().manual_seed(0)
+    b, s, t = 2, 29, 41
+    kv_map = torch.tensor([0, 0, 1, 2, 2])
+    q, k, v = _inputs(b, 5, 3, s, t, hd, dtype, g)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :5] = False  # row 1 left-padded
+    for window in (None, 9):
+        mask = attention_mask(valid, t - s, s, window)  # (b, 1, s, t): queries at positions t - s .. t - 1
+        got = ext.prefill_attention(q, k, v, kv_map, mask.contiguous())
+        assert got.dtype == dtype and got.shape == q.shape
+        want = _reference(q, k, v, kv_map, mask)
+        tol = 2e-6 if dtype == torch.float32 else 1e-2
+        assert (got.double() - want).abs().max() <= tol * want.abs().max(), window
+
+
+def test_prefill_attention_rows_do_not_depend_on_the_rows_beside_them(ext):
+    """A prompt alone equals the same prompt right-padded into a group with a longer one (its padded keys masked),
+    and prefilled in two chunks equals prefilled at once, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    hd, hq, hkv = 64, 6, 2
+    kv_map = torch.arange(hq) // (hq // hkv)
+    q, k, v = _inputs(2, hq, hkv, 37, 37, hd, torch.float32, g)
+    short = 23
+    alone_mask = attention_mask(torch.ones(1, short, dtype=torch.bool), 0, short, None).contiguous()
+    alone = ext.prefill_attention(q[:1, :, :short].contiguous(), k[:1, :, :short].contiguous(),
+                                  v[:1, :, :short].contiguous(), kv_map, alone_mask)
+    valid = torch.ones(2, 37, dtype=torch.bool)
+    valid[0, short:] = False  # row 0 right-padded to the group's width
+    group = ext.prefill_attention(q, k, v, kv_map, attention_mask(valid, 0, 37, None).contiguous())
+    assert torch.equal(group[:1, :, :short], alone)
+    first = ext.prefill_attention(q[1:, :, :20].contiguous(), k[1:, :, :20].contiguous(), v[1:, :, :20].contiguous(),
+                                  kv_map, attention_mask(torch.ones(1, 20, dtype=torch.bool), 0, 20, None).contiguous())
+    second = ext.prefill_attention(q[1:, :, 20:].contiguous(), k[1:], v[1:], kv_map,
+                                   attention_mask(torch.ones(1, 37, dtype=torch.bool), 20, 17, None).contiguous())
+    assert torch.equal(torch.cat([first, second], dim=2), group[1:])
+
+
+def test_prefill_attention_refuses_bad_inputs(ext):
+    q, k, v = _inputs(1, 2, 1, 4, 4, 8, torch.float32, torch.Generator().manual_seed(2))
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="kv_map\\[1\\] = 3 is not a KV head"):
+        ext.prefill_attention(q, k, v, torch.tensor([0, 3]), mask)
+    with pytest.raises(RuntimeError, match="mask \\(b, 1, s, t\\) bool expected"):
+        ext.prefill_attention(q, k, v, torch.tensor([0, 0]), mask.float())
+    with pytest.raises(RuntimeError, match="q, k and v in one dtype"):
+        ext.prefill_attention(q, k.bfloat16(), v, torch.tensor([0, 0]), mask)
+
+
+@torch.no_grad()
+def test_model_prefill_takes_the_kernel(ext, monkeypatch):
+    """A CPU rank with the compiled kernels computes prefill attention with it (not SDPA), and its logits stay
+    within float32 rounding of the SDPA path."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from refs import build
+
+    from shardlm.bundled import default_model_dir
+    from shardlm.runtime.step import Batch, Rows
+
+    rank = build(default_model_dir(), dtype="float32")
+    layers = [layer.self_attn for layer in rank.module.model.layers.values()]
+    assert all(a.prefill_attention is not None for a in layers)
+    batch = Batch.from_lists([[1 + (7 * j) % 4000 for j in range(40)], [5, 6, 7]])
+
+    def logits():
+        rows = Rows.for_model(rank, batch, 2)
+        return rows.forward(rank.module, batch.tokens, rows.prefill_mask())
+
+    calls = []
+    real = layers[0].prefill_attention
+    monkeypatch.setattr(layers[0], "prefill_attention", lambda *a: calls.append(1) or real(*a))
+    got = logits()
+    assert calls == [1]
+    for a in layers:
+        monkeypatch.setattr(a, "prefill_attention", None)
+    want = logits()
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
