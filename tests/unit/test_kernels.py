@@ -285,3 +285,27 @@ def test_bfloat16_prefill_rows_are_multiplied_in_float32_without_bfloat16_units(
     native = linear.matmul_t(x, w)
     assert torch.equal(native, F.linear(x, w))
     torch.testing.assert_close(native.float(), via_float.float(), rtol=2e-2, atol=2e-2)  # both round to bfloat16
+
+
+def test_stale_kernel_builds_of_other_sources_are_removed(tmp_path):
+    """Loading build `name` marks it used and removes builds of the same CPU and target for other sources unused
+    for STALE_DAYS; recent ones, other targets and other CPUs stay."""
+    import os
+    import time
+
+    from shardlm.kernels import build
+
+    cpu, old = "a" * 10, time.time() - (build.STALE_DAYS + 1) * 86400
+    names = {"mine": f"shardlm_kernels_{cpu}_11111111", "stale": f"shardlm_kernels_{cpu}_22222222",
+             "recent": f"shardlm_kernels_{cpu}_33333333", "stale_haswell": f"shardlm_kernels_{cpu}_44444444_haswell",
+             "other_cpu": f"shardlm_kernels_{'b' * 10}_55555555"}
+    for key, name in names.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x.so").write_bytes(b"")
+        if key != "recent":
+            os.utime(tmp_path / name, (old, old))
+    removed = build.prune_stale_builds(tmp_path, names["mine"])
+    assert removed == [tmp_path / names["stale"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for k, n in names.items() if k != "stale")
+    assert (tmp_path / names["mine"]).stat().st_mtime > old + 86400, "the loaded build is marked as used"
+    assert build.prune_stale_builds(tmp_path / "missing", names["mine"]) == []

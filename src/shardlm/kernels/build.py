@@ -4,6 +4,9 @@ The extension is compiled with torch's JIT extension builder and cached in the s
 folder under a name that carries a hash of this CPU (a -march=native build only runs on such CPUs)
 and of the sources. A process loads it at most once per folder; a build that fails (no compiler,
 no headers) is remembered as None and logged once, and the callers fall back to oneDNN or MKL.
+Each load marks its folder as used; builds of the same CPU and target for other sources (older
+versions of shardlm, other checkouts) that no process has loaded for STALE_DAYS are removed then,
+so the folder does not grow with every upgrade.
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
+STALE_DAYS = 14
+"""Days after its last load when another source version's build of this CPU and target is removed."""
 _LOADED: dict[str, object] = {}
 """Extension modules loaded in this process, by name (None: the build failed). A cache of a loaded shared
 library, as torch keeps one: it selects nothing. The name carries the CPU and source hashes, so a
@@ -71,7 +79,38 @@ def extension(kernel_dir: Path, arch: str = "native"):
             flags = ["-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=off"]
             _LOADED[name] = load(name, [str(CSRC / "kernels.cpp")], extra_cflags=flags, build_directory=str(build),
                                  verbose=False)
+            prune_stale_builds(Path(kernel_dir), name)
         except Exception as e:  # no compiler, no headers, an exotic CPU: fall back, say why once
             log.warning("decode kernel unavailable (%s); using oneDNN/MKL linear layers", e)
             _LOADED[name] = None
     return _LOADED[name]
+
+
+def prune_stale_builds(kernel_dir: Path, name: str, days: float = STALE_DAYS) -> list[Path]:
+    """Mark build `name` in `kernel_dir` as used now, and remove the builds of the same CPU and target for other
+    sources that were last used more than `days` days ago. Returns the folders removed; a folder that cannot be
+    removed is logged and kept. (A process still running an old build keeps its loaded library: removing the
+    file does not unmap it.)"""
+    prefix, rest = name[:len("shardlm_kernels_") + 11], name[len("shardlm_kernels_") + 11:]
+    digest, target = rest[:8], rest[8:]
+    removed = []
+    try:
+        os.utime(kernel_dir / name)
+        folders = list(kernel_dir.iterdir())
+    except OSError as e:
+        log.warning("kernel builds in %s not checked: %s", kernel_dir, e)
+        return removed
+    cutoff = time.time() - days * 86400
+    for folder in folders:
+        other = folder.name[len(prefix):]
+        if not folder.name.startswith(prefix) or other[8:] != target or other[:8] == digest or len(other) < 8:
+            continue
+        try:
+            if folder.is_dir() and folder.stat().st_mtime < cutoff:
+                shutil.rmtree(folder)
+                removed.append(folder)
+        except OSError as e:
+            log.warning("could not remove the stale kernel build %s: %s", folder, e)
+    if removed:
+        log.info("removed %d kernel builds unused for %g days from %s", len(removed), days, kernel_dir)
+    return removed
