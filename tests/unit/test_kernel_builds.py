@@ -1,8 +1,8 @@
 """The kernels built for older CPUs than this one (AVX2 without AVX-512; no AVX at all) on this machine: each
 build names its instructions, and the int4 row tiles give the native build's numbers bit for bit (one
 arithmetic on every build, q4tiles.h), for decode and prefill row counts, split and whole; prefill panels equal
-wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512) equal
-wherever the CPU has FMA."""
+wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512) and prefill
+attention (8- or 16-lane tiles) equal wherever the CPU has FMA."""
 
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
                 assert torch.equal(got, want), (dtype, b)
             else:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    for dtype in (torch.float32, torch.bfloat16):  # prefill attention: the same chains with 8- or 16-lane tiles
+        q, k, v = (torch.randn(2, 5, n, 12, generator=g).to(dtype) for n in (19, 23, 23))
+        kv, mask = torch.tensor([0, 0, 1, 3, 4]), torch.ones(23, 23, dtype=torch.bool).tril()[None, None, 4:]
+        mask = mask.expand(2, 1, 19, 23).contiguous()
+        got, want = ext.prefill_attention(q, k, v, kv, mask), native.prefill_attention(q, k, v, kv, mask)
+        if "fma" in needs:
+            assert torch.equal(got, want), dtype
+        else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-4)
     q8 = quantize_int8(w)  # int8 rows: each build's own lane sums, the same value to float rounding
     torch.testing.assert_close(ext.gemv_int8(x, q8.q, q8.scale), native.gemv_int8(x, q8.q, q8.scale),
                                rtol=1e-5, atol=1e-5)
