@@ -168,7 +168,7 @@ def vllm_system(venv: Path, model: Path, tp: int) -> tuple:
 
     def start() -> str:
         port = free_port()
-        state["shm"] = set(Path("/dev/shm").glob("vllm_dist_*"))
+        state["left"] = vllm_leftovers()
         state["log"] = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=False)
         state["proc"] = vllm_server(venv, model, port, state["log"], tp)
         url = f"http://127.0.0.1:{port}"
@@ -187,11 +187,26 @@ def vllm_system(venv: Path, model: Path, tp: int) -> tuple:
             proc.wait(timeout=30)
         state["log"].close()
         os.unlink(state["log"].name)
-        # vLLM-CPU at tp > 1 leaves its shared-memory segments behind (4 MiB a rank); remove the ones this run made
-        for segment in set(Path("/dev/shm").glob("vllm_dist_*")) - state["shm"]:
-            segment.unlink(missing_ok=True)
+        for path in vllm_leftovers() - state["left"]:  # only what this server made
+            path.unlink(missing_ok=True)
 
     return start, stop
+
+
+def vllm_leftovers() -> set[Path]:
+    """What a stopped vLLM-CPU server leaves behind: shared-memory segments at tp > 1 (4 MiB a rank, /dev/shm and
+    the temp folder) and the sockets of its ZMQ channels (uuid-named, in the temp folder)."""
+    import stat
+
+    tmp = Path(tempfile.gettempdir())
+    found = set(Path("/dev/shm").glob("vllm_dist_*")) | set(tmp.glob("vllm_dist_*"))
+    for path in tmp.glob("*-*-*-*-*"):
+        try:
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                found.add(path)
+        except OSError:
+            pass
+    return found
 
 
 def verdicts(samples: list[Sample]) -> list[tuple[str, str, bool]]:

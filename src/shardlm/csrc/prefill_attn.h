@@ -30,54 +30,11 @@ inline void key_ranges(const bool* mask, int64_t m, int64_t t, int64_t* lo, int6
   }
 }
 
-// S[r, c] = sum_i q[r, i] * kt[i, c0 + c] for R rows (q rows hd apart) and columns [c0, c1) of kt (ldk apart, padded
-// by 2 VL zero columns past its end), into S (ldS apart).
-template <int R>
-inline void score_tile(const float* q, int64_t hd, const float* kt, int64_t ldk, int64_t c0, int64_t c1, float* S,
-                       int64_t ldS) {
-  for (int64_t c = c0; c < c1; c += 2 * VL) {
-    vpf acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vpf{};
-    for (int64_t i = 0; i < hd; ++i) {
-      const vpf k0 = load_p(kt + i * ldk + c), k1 = load_p(kt + i * ldk + c + VL);
-      for (int r = 0; r < R; ++r) {
-        const vpf qb = splat_p(q + r * hd + i);
-        acc[r][0] = fma_p(k0, qb, acc[r][0]);
-        acc[r][1] = fma_p(k1, qb, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      std::memcpy(S + r * ldS + (c - c0), &acc[r][0], sizeof(vpf));
-      std::memcpy(S + r * ldS + (c - c0) + VL, &acc[r][1], sizeof(vpf));
-    }
-  }
-}
-
-// o[r, :] = sum_c P[r, c] * v[c0 + c, :] for R rows over columns [0, n) of P (ldP apart); v rows hd apart, hd a
-// multiple of 2 VL; o rows hd apart.
-template <int R>
-inline void value_tile(const float* P, int64_t ldP, const float* v, int64_t hd, int64_t n, float* o) {
-  for (int64_t d = 0; d < hd; d += 2 * VL) {
-    vpf acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vpf{};
-    for (int64_t c = 0; c < n; ++c) {
-      const vpf v0 = load_p(v + c * hd + d), v1 = load_p(v + c * hd + d + VL);
-      for (int r = 0; r < R; ++r) {
-        const vpf pb = splat_p(P + r * ldP + c);
-        acc[r][0] = fma_p(v0, pb, acc[r][0]);
-        acc[r][1] = fma_p(v1, pb, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      std::memcpy(o + r * hd + d, &acc[r][0], sizeof(vpf));
-      std::memcpy(o + r * hd + d + VL, &acc[r][1], sizeof(vpf));
-    }
-  }
-}
-
 // Row p (n = hi - lo scores of its allowed range, scaled in place) -> softmax weights, masked keys 0. The max is
 // exact in any order; e^x is lane by lane; the sum runs in eight lanes from the row's first key, then the lanes in
 // order (lane_sums8). A range with no masked key inside (causal rows, padding, windows) skips the per-key test.
+// (Decode keeps its own sum, scalar in key order (attend.h softmax_weights): moving it to eight lanes changed
+// bfloat16 greedy tokens of the bundled model at near ties, measured.)
 inline void softmax_row(float* p, const bool* allowed, int64_t n, float scale) {
   for (int64_t c = 0; c < n; ++c) p[c] = p[c] * scale;
   const bool dense = std::find(allowed, allowed + n, false) == allowed + n;
@@ -119,8 +76,30 @@ inline void softmax_row(float* p, const bool* allowed, int64_t n, float scale) {
   for (int64_t k = 0; k < n; ++k) p[k] = p[k] * inv;
 }
 
-// One block: m <= R rows of head h of sequence j. qf (m, hd) float32; kt (hd, ldk) and vf (t, hdp) the KV head's
-// widened keys (transposed) and values (hdp: hd rounded up to 2 VL, zero columns past hd); out (m, hd) float32.
+// y[r, 0:2 VL] = sum_i x[r * ldx + i] * b[i * ldb + 0:2 VL] over i in [0, k), for R rows: one FMA chain per output
+// in order of i, two vectors of b and R broadcasts of x feeding 2 R FMAs (qgemm.h's panel tile, with b's rows ldb
+// apart). Scores are q (R, hd) against K^T, outputs P (R, n) against V.
+template <int R>
+inline void fma_tile(const float* x, int64_t ldx, const float* b, int64_t ldb, int64_t k, float* y, int64_t ldy) {
+  vpf acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vpf{};
+  for (int64_t i = 0; i < k; ++i) {
+    const vpf b0 = load_p(b + i * ldb), b1 = load_p(b + i * ldb + VL);
+    for (int r = 0; r < R; ++r) {
+      const vpf xb = splat_p(x + r * ldx + i);
+      acc[r][0] = fma_p(b0, xb, acc[r][0]);
+      acc[r][1] = fma_p(b1, xb, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(y + r * ldy, &acc[r][0], sizeof(vpf));
+    std::memcpy(y + r * ldy + VL, &acc[r][1], sizeof(vpf));
+  }
+}
+
+// One block of R rows of head h of sequence j, the first m real (qf's rows past m are zero; their results are
+// dropped). qf (R, hd) float32; kt (hd, ldk) and vf (t, hdp) the KV head's widened keys (transposed; 2 VL zero
+// columns past t) and values (hdp: hd rounded up to 2 VL, zero columns past hd); S: scratch; out (R, hdp) float32.
 template <int R>
 void attend_block(const float* qf, const float* kt, int64_t ldk, const float* vf, int64_t hdp, const bool* mask,
                   int64_t m, int64_t t, int64_t hd, std::vector<float>& S, float* out) {
@@ -130,21 +109,14 @@ void attend_block(const float* qf, const float* kt, int64_t ldk, const float* vf
   for (int64_t r = 0; r < m; ++r)
     if (lo[r] < hi[r]) c0 = std::min(c0, lo[r]), c1 = std::max(c1, hi[r]);
   if (c0 >= c1) {
-    std::fill(out, out + m * hd, 0.f);
+    std::fill(out, out + R * hdp, 0.f);
     return;
   }
   const int64_t n = c1 - c0, ldS = n + 2 * VL;
-  S.assign(static_cast<size_t>(R * ldS), 0.f);
-  std::vector<float> qpad;
-  const float* qr = qf;
-  if (m < R) {  // a short last block: pad with zero rows (their results are dropped)
-    qpad.assign(static_cast<size_t>(R * hd), 0.f);
-    std::copy(qf, qf + m * hd, qpad.begin());
-    qr = qpad.data();
-  }
-  score_tile<R>(qr, hd, kt, ldk, c0, c1, S.data(), ldS);
+  S.resize(static_cast<size_t>(R * ldS));  // every entry of the R rows is written below
+  for (int64_t c = c0; c < c1; c += 2 * VL) fma_tile<R>(qf, hd, kt + c, ldk, hd, S.data() + (c - c0), ldS);
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = 0; r < R; ++r) {  // each row's softmax over its own keys; zero weight elsewhere
     float* row = S.data() + r * ldS;
     if (r >= m || lo[r] >= hi[r]) {
       std::fill(row, row + ldS, 0.f);
@@ -155,9 +127,7 @@ void attend_block(const float* qf, const float* kt, int64_t ldk, const float* vf
     softmax_row(row + a, mask + r * t + lo[r], e - a, scale);
     std::fill(row + e, row + ldS, 0.f);
   }
-  std::vector<float> o(static_cast<size_t>(R * hdp));
-  value_tile<R>(S.data(), ldS, vf + c0 * hdp, hdp, n, o.data());
-  for (int64_t r = 0; r < m; ++r) std::copy(o.begin() + r * hdp, o.begin() + r * hdp + hd, out + r * hd);
+  for (int64_t d = 0; d < hdp; d += 2 * VL) fma_tile<R>(S.data(), ldS, vf + c0 * hdp + d, hdp, n, out + d, hdp);
 }
 
 template <typename W>
@@ -183,15 +153,16 @@ torch::Tensor prefill_attention_t(const torch::Tensor& q, const torch::Tensor& k
   W* op = mutable_data<W>(out);
   const int64_t blocks = (s + MR - 1) / MR;
   at::parallel_for(0, b * hq * blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> S, qf(static_cast<size_t>(MR * hd)), of(static_cast<size_t>(MR * hd));
+    std::vector<float> S, qf(static_cast<size_t>(MR * hd)), of(static_cast<size_t>(MR * hdp));
     for (int64_t task = lo; task < hi; ++task) {  // task = (j, h, block)
       const int64_t j = task / (hq * blocks), h = (task / blocks) % hq, r0 = (task % blocks) * MR;
       const int64_t m = std::min<int64_t>(MR, s - r0), g = j * hkv + map[h];
       const int64_t first = ((j * hq + h) * s + r0) * hd;  // q and out offset of row r0
-      for (int64_t e = 0; e < m * hd; ++e) qf[e] = load<W>(qp, first + e);
+      for (int64_t e = 0; e < MR * hd; ++e) qf[e] = e < m * hd ? load<W>(qp, first + e) : 0.f;
       attend_block<MR>(qf.data(), kt.data() + g * hd * ldk, ldk, vf.data() + g * t * hdp, hdp,
                        mp + (j * s + r0) * t, m, t, hd, S, of.data());
-      for (int64_t e = 0; e < m * hd; ++e) op[first + e] = store<W>(of[e]);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < hd; ++i) op[first + r * hd + i] = store<W>(of[r * hdp + i]);
     }
   });
   return out;

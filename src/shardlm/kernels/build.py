@@ -91,8 +91,9 @@ def prune_stale_builds(kernel_dir: Path, name: str, days: float = STALE_DAYS) ->
     sources that were last used more than `days` days ago. Returns the folders removed; a folder that cannot be
     removed is logged and kept. (A process still running an old build keeps its loaded library: removing the
     file does not unmap it.)"""
-    prefix, rest = name[:len("shardlm_kernels_") + 11], name[len("shardlm_kernels_") + 11:]
-    digest, target = rest[:8], rest[8:]
+    # name: shardlm_kernels_<cpu tag>_<8-digit source digest><target>; the tag and digest are hex
+    prefix = name[:name.index("_", len("shardlm_kernels_")) + 1]
+    digest, target = name[len(prefix):len(prefix) + 8], name[len(prefix) + 8:]
     removed = []
     try:
         os.utime(kernel_dir / name)

@@ -137,8 +137,7 @@ def install_fused(model: nn.Module, ops, dtype: torch.dtype, fixed: bool = False
     installed = 0
     layers = list(model.model.layers.values())
     for layer in layers:
-        if hasattr(ops, "prefill_attention"):
-            layer.self_attn.prefill_attention = ops.prefill_attention
+        layer.self_attn.prefill_attention = ops.prefill_attention
         if plain_block(layer, dtype):
             layer.decode_step = FusedDecode(ops, dtype, fixed)
             installed += 1
