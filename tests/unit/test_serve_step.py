@@ -64,3 +64,41 @@ def test_batched_prefill_rows_equal_each_row_alone(random_dirs, name):
         b = alone.run(Step(100 + i, (), (), decodes)).slots
         assert {s: x.token for s, x in a.items()} == {s: x.token for s, x in b.items()}
         tokens = {s: a[s].token for s in a}
+
+
+def _decode_logits(runner: SlotRunner, slots: list[int], tokens: dict, positions: dict, step_id: int):
+    """One decode step of `slots`; each row's logits (vocab,), captured where the runner samples."""
+    got = []
+    sample = runner._sample
+
+    def capture(item, logits):
+        got.append(logits[:, -1].clone())
+        return sample(item, logits)
+
+    runner._sample = capture
+    try:
+        runner.run(Step(step_id, (), (), tuple(Decode(s, tokens[s], positions[s], GREEDY) for s in slots)))
+    finally:
+        runner._sample = sample
+    return {s: row for s, row in zip(slots, torch.cat(got))}
+
+
+@pytest.mark.parametrize("name", ["gqa12x4", "mistral_window"])
+def test_decode_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(random_dirs, name):
+    """Each decode row attends over its own span of the cache only (csrc/attend.h allowed_span; with a sliding
+    window the span starts past 0): a short row beside a long one gives the very logits it gives alone."""
+    lengths = [3, 29, 58]  # mistral_window's window is shorter than the longest
+    prompts = [[(11 * s + 3 * j) % 200 + 5 for j in range(n)] for s, n in enumerate(lengths)]
+    together, alone = _runner(random_dirs[name]), _runner(random_dirs[name])
+    starts = tuple(SlotStart(s, 7) for s in range(3))
+    first = tuple(_prefill(s, p) for s, p in enumerate(prompts))
+    tokens = {s: w.token for s, w in together.run(Step(0, starts, first)).slots.items()}
+    alone.run(Step(0, starts, first))
+    positions = {s: n for s, n in enumerate(lengths)}
+    for i in range(4):
+        a = _decode_logits(together, [0, 1, 2], tokens, positions, 10 + i)
+        for s in range(3):
+            b = _decode_logits(alone, [s], tokens, positions, 20 + 3 * i + s)
+            assert torch.equal(a[s], b[s]), f"row {s} (length {positions[s]}) differs beside longer rows"
+        tokens = {s: int(a[s].argmax()) for s in range(3)}
+        positions = {s: p + 1 for s, p in positions.items()}

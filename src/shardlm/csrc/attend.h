@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 #include "rows.h"
 
@@ -133,8 +134,19 @@ inline void weighted_values(const W* vals, const float* w, float* o, int64_t t, 
   }
 }
 
+// The positions [lo, hi) a row may see: from its first allowed one to its last. Scores outside are dropped by the
+// softmax anyway (weight 0, skipped by the value sum; adding 0 to the sum changes nothing), so leaving them out
+// changes no value, and a row's cache is read only as far as its own tokens (t is the longest row's).
+inline std::pair<int64_t, int64_t> allowed_span(const bool* allowed, int64_t t) {
+  int64_t lo = 0, hi = t;
+  while (lo < hi && !allowed[lo]) ++lo;
+  while (hi > lo && !allowed[hi - 1]) --hi;
+  return {lo, hi};
+}
+
 // Attention of one token per row j over the cache: for each query head h, softmax(K q_h / sqrt(hd)) V, with K and
-// V the rows of KV head map[h] of slot row_of[j], positions allowed by mask (b, t).
+// V the rows of KV head map[h] of slot row_of[j], positions allowed by mask (b, t), each row over its own allowed
+// span (allowed_span).
 //   q (b, hq, hd) float32; keys/vals: the cache (slots, hkv, max_len, hd) in W; out (b, hq, hd) float32.
 // Tasks are (row, head) pairs; each one's arithmetic is the same whatever the batch (batch invariance).
 template <typename W>
@@ -146,17 +158,18 @@ void attend_heads(const float* q, const W* keys, const W* vals, const int64_t* r
     std::vector<float> p(static_cast<size_t>(t));
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t j = task / hq, h = task % hq;
-      const int64_t base = (row_of[j] * hkv + map[h]) * max_len * hd;
-      const bool* allowed = mask + j * t;
-      key_scores<W>(keys + base, q + task * hd, p.data(), t, hd);
+      const auto [lo, hi] = allowed_span(mask + j * t, t);
+      const int64_t base = ((row_of[j] * hkv + map[h]) * max_len + lo) * hd, n = hi - lo;
+      const bool* allowed = mask + j * t + lo;
+      key_scores<W>(keys + base, q + task * hd, p.data(), n, hd);
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < t; ++s) {
+      for (int64_t s = 0; s < n; ++s) {
         p[s] = p[s] * scale;
         if (allowed[s]) top = std::max(top, p[s]);
       }
-      const float inv = 1.f / softmax_weights(p.data(), allowed, top, t);
-      for (int64_t s = 0; s < t; ++s) p[s] = p[s] * inv;
-      weighted_values<W>(vals + base, p.data(), out + task * hd, t, hd);
+      const float inv = 1.f / softmax_weights(p.data(), allowed, top, n);
+      for (int64_t s = 0; s < n; ++s) p[s] = p[s] * inv;
+      weighted_values<W>(vals + base, p.data(), out + task * hd, n, hd);
     }
   });
 }
