@@ -1,12 +1,14 @@
 """Decode speed of this tree against an earlier commit, in one run: did a change cost speed?
 
     python bench/decode_vs_commit.py [--commit 5ddb9e0] [--rounds 3] [--new-tokens 128]
-                                     [--quantization none|int8|int4] [--no-write]
+                                     [--quantization none|int8|int4] [--ragged] [--no-write]
 
 The earlier commit is checked out once as a git worktree (/tmp/shardlm-COMMIT) and run with the same
 interpreter and packages, its own source first on PYTHONPATH. Each round runs, for both trees in a
 rotating order, `shardlm generate --json --ignore-eos` at tp 1 and tp 2, batch 1 and batch 8, and keeps
 the decode and prefill tokens/s the command itself reports (rank 0's clock, prefill excluded from decode).
+With --ragged, prompt i is padded with RAGGED_WORDS * i filler words, so a batch's rows decode at very different
+lengths (about 8 to 340 tokens at batch 8), as a server's running requests do.
 Tables give the median over rounds and this tree / the earlier one.
 """
 
@@ -31,11 +33,18 @@ PROMPTS = ["The history of the printing press begins", "def merge_sort(items):",
            "Once upon a time in a quiet town", "The recipe calls for flour, eggs and", "In the year 1905, Einstein",
            "Photosynthesis converts light into", "A good night's sleep helps"]
 CASES = [(tp, batch) for tp in (1, 2) for batch in (1, 8)]
+RAGGED_WORDS = 48
+"""Filler words per prompt index with --ragged."""
 
 
-def heading(commit: str, quantization: str = "none") -> str:
-    """This benchmark's RESULTS.md heading (one section per commit and quantization)."""
-    what = "" if quantization == "none" else f", {quantization}"
+def prompts(batch: int, ragged: bool = False) -> list[str]:
+    """The first `batch` prompts; with `ragged`, prompt i lengthened by RAGGED_WORDS * i words."""
+    return [p + " and then" * (RAGGED_WORDS * i // 2) if ragged else p for i, p in enumerate(PROMPTS[:batch])]
+
+
+def heading(commit: str, quantization: str = "none", ragged: bool = False) -> str:
+    """This benchmark's RESULTS.md heading (one section per commit, quantization and prompt shape)."""
+    what = ("" if quantization == "none" else f", {quantization}") + (", ragged prompts" if ragged else "")
     return f"## Decode after the engine rewrite: this tree vs {commit}{what} (bench/decode_vs_commit.py)"
 
 
@@ -47,10 +56,11 @@ def worktree(commit: str) -> Path:
     return path
 
 
-def generate(tree: Path, tp: int, batch: int, new_tokens: int, quantization: str = "none") -> dict:
+def generate(tree: Path, tp: int, batch: int, new_tokens: int, quantization: str = "none",
+             ragged: bool = False) -> dict:
     """`shardlm generate --json` from `tree`: its timings."""
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-    cmd = [sys.executable, "-m", "shardlm", "generate", *PROMPTS[:batch], "--tp", str(tp), "--max-new-tokens",
+    cmd = [sys.executable, "-m", "shardlm", "generate", *prompts(batch, ragged), "--tp", str(tp), "--max-new-tokens",
            str(new_tokens), "--ignore-eos", "--json", "--quantization", quantization]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tree)
     if res.returncode != 0:
@@ -58,7 +68,8 @@ def generate(tree: Path, tp: int, batch: int, new_tokens: int, quantization: str
     return json.loads(res.stdout)["timings"]
 
 
-def measure(trees: dict[str, Path], rounds: int, new_tokens: int, quantization: str = "none") -> dict:
+def measure(trees: dict[str, Path], rounds: int, new_tokens: int, quantization: str = "none",
+            ragged: bool = False) -> dict:
     """(tree name, tp, batch) -> list of (decode tok/s, prefill tok/s), one per round."""
     got: dict = {}
     names = list(trees)
@@ -66,7 +77,7 @@ def measure(trees: dict[str, Path], rounds: int, new_tokens: int, quantization: 
         order = names[r % len(names):] + names[:r % len(names)]
         for tp, batch in CASES:
             for name in order:
-                t = generate(trees[name], tp, batch, new_tokens, quantization)
+                t = generate(trees[name], tp, batch, new_tokens, quantization, ragged)
                 got.setdefault((name, tp, batch), []).append((t["decode_tokens_per_s"], t["prefill_tokens_per_s"]))
                 print(f"round {r + 1} {name} tp{tp} batch {batch}: decode {t['decode_tokens_per_s']:.1f} tok/s",
                       flush=True)
@@ -76,8 +87,9 @@ def measure(trees: dict[str, Path], rounds: int, new_tokens: int, quantization: 
 def report(got: dict, commit: str, args, started: str) -> str:
     """The RESULTS.md section."""
     info = _decode.machine_info()
-    q_flag = "" if args.quantization == "none" else f" --quantization {args.quantization}"
-    lines = [heading(commit, args.quantization), "",
+    q_flag = ("" if args.quantization == "none" else f" --quantization {args.quantization}") + \
+        (" --ragged" if args.ragged else "")
+    lines = [heading(commit, args.quantization, args.ragged), "",
              f"Command: `python bench/decode_vs_commit.py --commit {commit} --rounds {args.rounds} --new-tokens "
              f"{args.new_tokens}{q_flag}`. Date: {started}. Machine: {info['cpu']}, {info['cores']} cores, {info['ram']}; "
              f"torch {info['torch']}. `shardlm generate --json --ignore-eos` of each tree, bundled model "
@@ -105,17 +117,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
+    ap.add_argument("--ragged", action="store_true", help="prompts of very different lengths in a batch")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     started, t0 = dt.datetime.now().strftime("%Y-%m-%d %H:%M"), time.monotonic()
     trees = {"this tree": ROOT, args.commit: worktree(args.commit)}
     for tree in trees.values():  # compile each tree's kernels before anything is timed
         generate(tree, 1, 1, 4, args.quantization)
-    got = measure(trees, args.rounds, args.new_tokens, args.quantization)
+    got = measure(trees, args.rounds, args.new_tokens, args.quantization, args.ragged)
     text = report(got, args.commit, args, started)
     print(text + f"\n{(time.monotonic() - t0) / 60:.1f} min")
     if not args.no_write:
-        _decode.write_section(text, heading(args.commit, args.quantization))
+        _decode.write_section(text, heading(args.commit, args.quantization, args.ragged))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,11 @@ class GenerateResult:
 
 
 class LocalEngine(Engine):
-    """An Engine (ranks on this machine) with `generate` for a batch of prompts."""
+    """An Engine (ranks on this machine) with `generate` for a batch of prompts; its steps are pipelined (see
+    Engine.pipelined) unless `pipelined=False`."""
+
+    def __init__(self, *args, pipelined: bool = True, **kwargs):
+        super().__init__(*args, pipelined=pipelined, **kwargs)
 
     @property
     def world(self) -> int:

@@ -153,8 +153,10 @@ class Request:
     slot: int | None = None
     """The KV-cache slot it holds while admitted."""
     prefilled: int = 0
-    """Prompt tokens already in its slot's cache."""
+    """Prompt tokens sent to its slot's cache (in a step that ran, or one under way)."""
     output_ids: list[int] = field(default_factory=list)
+    pending: int = 0
+    """Tokens asked of steps under way whose results the driver has not applied yet (0 or 1; see Scheduler)."""
     finish_reason: str | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -192,12 +194,12 @@ class Request:
 
     @property
     def done_prefill(self) -> bool:
-        """Every prompt token is in the cache."""
+        """Every prompt token is in the cache, or in a step under way."""
         return self.prefilled >= len(self.prompt_ids)
 
     @property
     def length(self) -> int:
-        """Tokens in its cache once the next step has run: prompt plus generated."""
+        """Prompt plus generated tokens the driver has seen."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     def cancel(self) -> None:

@@ -6,6 +6,16 @@ prompt is in the cache one decode token, and (4) spends the step's prefill budge
 `kv_cache.prefill_chunk` tokens) on pending prompts in admission order, a chunk at a time. So a long
 prompt delays the running streams by at most one chunk per step, and the KV cache is the Plan's
 `max_batch` slots of `max_seq_len` tokens, allocated once on the ranks and reused.
+
+Steps may be pipelined: the engine plans and sends step n + 1 before it applies step n's result, so the
+driver's work between steps (streaming tokens, stop strings, the next plan) overlaps the ranks' compute
+instead of adding to it. A request whose last token is still under way then decodes the token the ranks
+kept for its slot (`Decode.token` None), and counts it in `pending` until the result comes back; a step
+never asks a request for more than `max_tokens` or `max_seq_len` allow. A request that ends on a token the
+driver sees late (end of sequence, a stop string, cancellation) may have one more row computed in the step
+under way; its result is dropped, and its slot's next owner starts in a later step, so the rows of other
+requests never change. Each step remembers which request asked for each slot, so a result is credited to
+that request even when its slot has changed hands since.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_id = 0
         self.finished_by_reason: dict[str, int] = {}
+        self._owners: dict[int, dict[int, Request]] = {}
+        """Per step not yet applied: the request that asked for each slot's work."""
         self.observer = None
         """Optional: `token(req, now)` before each emitted token, `finish(req, reason, now)` (serve/metrics.py)."""
 
@@ -44,15 +56,34 @@ class Scheduler:
         """Nothing waits and nothing runs."""
         return not self.waiting and not self.running
 
+    def prompt_work(self) -> bool:
+        """Whether a waiting request could take a free slot, or an admitted prompt is not all prefilled."""
+        return bool(self.waiting and self.free) or any(not r.done_prefill for r in self.running)
+
     def next_step(self) -> Step:
-        """Retire cancelled requests, admit waiting ones, and plan the next step's work."""
+        """Retire cancelled requests, admit waiting ones, and plan the next step's work (the step before may
+        still be under way, see the module docstring)."""
         self._retire_cancelled()
         self.release()
         starts = self._admit()
-        decodes = tuple(Decode(r.slot, r.output_ids[-1], r.length - 1, r.params.sampling(), r.params.logprobs)
-                        for r in self.running if r.done_prefill and r.output_ids and r.finish_reason is None)
+        decodes = tuple(self._decode(r) for r in self.running if self._may_decode(r))  # before the prefills move on
+        prefills = self._prefills()
         self.step_id += 1
-        return Step(self.step_id, tuple(starts), self._prefills(), decodes)
+        if prefills or decodes:
+            self._owners[self.step_id] = {r.slot: r for r in self.running}
+        return Step(self.step_id, tuple(starts), prefills, decodes)
+
+    def _may_decode(self, r: Request) -> bool:
+        """Its prompt is in (or under way) and its next token is wanted: a step never decodes past the limits."""
+        made = len(r.output_ids) + r.pending
+        return (r.finish_reason is None and r.done_prefill and made > 0 and made < r.params.max_tokens
+                and r.length + r.pending < self.max_seq_len)
+
+    def _decode(self, r: Request) -> Decode:
+        """Its next decode row: the last token it produced, or (still under way) the one its slot holds."""
+        token = r.output_ids[-1] if r.pending == 0 else None
+        r.pending += 1
+        return Decode(r.slot, token, r.length + r.pending - 2, r.params.sampling(), r.params.logprobs)
 
     def _retire_cancelled(self) -> None:
         for r in list(self.waiting):
@@ -88,25 +119,31 @@ class Scheduler:
             out.append(Prefill(r.slot, tuple(r.prompt_ids[start:end]), start, last and p.max_tokens > 0,
                                p.sampling(), p.logprobs, p.echo and p.logprobs is not None,
                                None if last else r.prompt_ids[end]))
+            r.prefilled = end
+            r.pending += out[-1].sample
             budget -= n
         return tuple(out)
 
     def apply(self, step: Step, result: StepResult, tokenizer) -> list[Request]:
         """Record what a step produced; returns the requests that finished (their slots are free again)."""
         now = time.monotonic()
+        owners = self._owners.pop(step.id, {})
         for p in step.prefills:
-            r = self._holder(p.slot)
-            r.prefilled = p.start + len(p.tokens)
+            r = owners[p.slot]
+            r.pending -= p.sample
+            if r.finish_reason is not None:  # cancelled while the step ran
+                continue
             got = result.slots.get(p.slot, Sampled())
             if got.prompt_logprobs:
                 r.prompt_logprobs.extend(got.prompt_logprobs)
             if p.sample:
                 self._emit(r, got, now, tokenizer)
-            elif r.done_prefill and r.params.max_tokens == 0:
+            elif p.start + len(p.tokens) == len(r.prompt_ids) and r.params.max_tokens == 0:
                 self._finish(r, "length")
         for d in step.decodes:
-            r = self._holder(d.slot)
-            if r.finish_reason is None:
+            r = owners[d.slot]
+            r.pending -= 1
+            if r.finish_reason is None:  # else: it ended on an earlier token; this row's result is dropped
                 self._emit(r, result.slots[d.slot], now, tokenizer)
         return self.release()
 
@@ -117,9 +154,6 @@ class Scheduler:
             self.running.remove(r)
             self.free.append(r.slot)
         return done
-
-    def _holder(self, slot: int) -> Request:
-        return next(r for r in self.running if r.slot == slot)
 
     def _emit(self, r: Request, got: Sampled, now: float, tokenizer) -> None:
         """Append a sampled token, decide whether the request is finished, and stream the event."""
@@ -171,6 +205,7 @@ class Scheduler:
         for r in list(self.waiting) + self.running:
             self._finish(r, "error", error)
         self.waiting.clear()
+        self._owners.clear()
         self.release()
 
 

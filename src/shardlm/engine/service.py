@@ -59,8 +59,15 @@ class Engine:
     """Ranks of a Plan, started once, serving requests (see the module docstring)."""
 
     def __init__(self, plan: Plan, source: ModelSource, settings: Settings | None = None, max_queue: int = 1024,
-                 threads: int | None = None, shm: bool = True, timeout_s: float | None = None, tokenizer=None):
+                 threads: int | None = None, shm: bool = True, timeout_s: float | None = None, tokenizer=None,
+                 pipelined: bool = False):
         self.plan, self.source, self.max_queue = plan, source, max_queue
+        self.pipelined = pipelined and plan.layout.pp == 1
+        """Send step n + 1 before applying step n's result (scheduler.py): the ranks keep each slot's sampled token
+        for it. Not with pipeline stages (the last stage samples, the first embeds). It pays where the driver has
+        little to do per step: `generate` (LocalEngine, on by default) decoded 2-5 % faster at batch 1 and 16 on a
+        2-core host; a server streaming tokens over HTTP on that host was slower with it (its per-token work then
+        competes with the ranks for the cores), so `serve` leaves it off (bench/RESULTS.md)."""
         self.settings = settings or Settings.from_env()
         self.group = RankGroup(plan, source, self.settings, threads, shm,
                                timeout_s or self.settings.collective_timeout_s)
@@ -212,17 +219,33 @@ class Engine:
     # ------------------------------------------------------------------ the scheduler thread
 
     def _loop(self) -> None:
+        under_way = None  # a step sent whose result is not applied yet (pipelined steps)
         try:
             while not self._closing.is_set():
                 self._take_new()
+                if under_way is not None and self.scheduler.prompt_work():
+                    self._apply(under_way)  # plan prompts on the latest results: admit into every slot it frees
+                    under_way = None
+                    self._take_new()
                 step = self.scheduler.next_step()
                 if step.empty:
-                    self._wait_for_work()
+                    if under_way is not None:  # its tokens may make work for the next step
+                        self._apply(under_way)
+                        under_way = None
+                    else:
+                        self._wait_for_work()
                     continue
                 if self._gather.begin():  # a poll is waiting: the ranks send their counters after this step
                     step = dataclasses.replace(step, report_stats=True)
                 self.group.send(step)
-                self.scheduler.apply(step, self._receive_step(), self.tokenizer)
+                if under_way is not None:
+                    self._apply(under_way)
+                under_way = step
+                if not self.pipelined:
+                    self._apply(step)
+                    under_way = None
+            if under_way is not None:
+                self._apply(under_way)
             self._take_new()
             self.scheduler.cancel_all()
         except RankFailure as e:
@@ -234,6 +257,10 @@ class Engine:
             log.exception("the engine's scheduler failed")
             self.scheduler.fail_all(str(self.failure))
             self.group.stop(force=True)
+
+    def _apply(self, step) -> None:
+        """Wait for `step`'s result and hand it to the scheduler (streams tokens, retires finished requests)."""
+        self.scheduler.apply(step, self._receive_step(), self.tokenizer)
 
     def _drained(self) -> bool:
         return self._inbox.empty() and self.scheduler.idle()

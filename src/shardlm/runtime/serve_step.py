@@ -117,6 +117,8 @@ class SlotRunner:
         self.cache = SlotCache(rank.layer_ids, kv.max_batch, rank.kv_heads, kv.max_seq_len, args.head_dim, rank.dtype,
                                rank.device)
         self.generators: dict[int, torch.Generator] = {}
+        self.sampled: dict[int, int] = {}
+        """Each slot's last sampled token, for a Decode whose token is None (the driver has not seen it yet)."""
         self.window = args.sliding_window
         spec = rank.spec
         self.first, self.last = spec.first_stage, spec.last_stage
@@ -134,6 +136,7 @@ class SlotRunner:
         t0 = time.perf_counter()
         for s in step.starts:
             self.generators[s.slot] = torch.Generator().manual_seed(s.seed)
+            self.sampled.pop(s.slot, None)
         out: dict[int, Sampled] = {}
         try:
             for item in self._items(step):
@@ -153,10 +156,19 @@ class SlotRunner:
         for a, b in (micro_batch_rows(len(decodes), groups) if decodes else []):
             part = decodes[a:b]
             pos = [d.position for d in part]
-            items.append(_Item(torch.tensor([[d.token] for d in part]), torch.tensor(pos)[:, None],
+            items.append(_Item(torch.tensor([[self._token(d)] for d in part]), torch.tensor(pos)[:, None],
                                decode_mask(pos, self.window), self.cache.decode([d.slot for d in part], pos), part,
                                False))
         return items
+
+    def _token(self, d: Decode) -> int:
+        """The token a decode row feeds: its own, or the slot's last sample (held here for pipelined steps)."""
+        if d.token is not None:
+            return d.token
+        if d.slot not in self.sampled:
+            raise RuntimeError(f"step asks for slot {d.slot}'s last sampled token, and this rank sampled none for it "
+                               f"(only ranks of the last stage sample; a plan with pipeline stages runs steps unpipelined)")
+        return self.sampled[d.slot]
 
     def _prefill_item(self, group: list[Prefill]) -> _Item:
         """One forward pass for prefill chunks of one or more slots (right-padded to the longest)."""
@@ -202,6 +214,7 @@ class SlotRunner:
                 row = last[j:j + 1]  # (1, vocab)
                 gen = self.generators[w.slot]
                 got.token = int(pick(row, w.params, [gen])[0])
+                self.sampled[w.slot] = got.token
                 if w.logprobs is not None:
                     got.logprob = _logprob(row[0], got.token, w.logprobs)
             out[w.slot] = got

@@ -41,10 +41,12 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Decode:
-    """One new token of a running request: `token` goes in at `position` of `slot` and the next is sampled."""
+    """One new token of a running request: `token` goes in at `position` of `slot` and the next is sampled.
+    `token` None: the token the ranks sampled for this slot in the step before, which the driver has not seen
+    yet (it sent this step before that one's result came back; see Scheduler's pipelining)."""
 
     slot: int
-    token: int
+    token: int | None
     position: int
     params: SamplingParams
     logprobs: int | None = None
