@@ -206,17 +206,20 @@ class SlotRunner:
         """Each row's next token (with its logprobs when asked), and a prefill's prompt logprobs."""
         out = {}
         last = logits[:, -1]  # (b, vocab)
+        greedy = None  # every row's argmax, taken once for the greedy rows (a row's argmax is its own alone)
         for j, w in enumerate(item.work):
             got = Sampled()
             if isinstance(w, Prefill) and w.prompt_logprobs:
                 got.prompt_logprobs = _prompt_logprobs(logits[0], w)
             if isinstance(w, Decode) or w.sample:
-                row = last[j:j + 1]  # (1, vocab)
-                gen = self.generators[w.slot]
-                got.token = int(pick(row, w.params, [gen])[0])
+                if w.params.temperature == 0:
+                    greedy = last.argmax(dim=-1).tolist() if greedy is None else greedy
+                    got.token = greedy[j]
+                else:
+                    got.token = int(pick(last[j:j + 1], w.params, [self.generators[w.slot]])[0])
                 self.sampled[w.slot] = got.token
                 if w.logprobs is not None:
-                    got.logprob = _logprob(row[0], got.token, w.logprobs)
+                    got.logprob = _logprob(last[j], got.token, w.logprobs)
             out[w.slot] = got
         return out
 
