@@ -22,10 +22,7 @@ namespace shardlm {
 // A block of rows' allowed key range: lo[r], hi[r] for each of its m rows of mask (each row t wide).
 inline void key_ranges(const bool* mask, int64_t m, int64_t t, int64_t* lo, int64_t* hi) {
   for (int64_t r = 0; r < m; ++r) {
-    const bool* a = mask + r * t;
-    int64_t l = 0, h = t;
-    while (l < h && !a[l]) ++l;
-    while (h > l && !a[h - 1]) --h;
+    const auto [l, h] = allowed_span(mask + r * t, t);  // attend.h
     lo[r] = l, hi[r] = h;
   }
 }

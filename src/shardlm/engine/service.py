@@ -65,8 +65,8 @@ class Engine:
         self.pipelined = pipelined and plan.layout.pp == 1
         """Send step n + 1 before applying step n's result (scheduler.py): the ranks keep each slot's sampled token
         for it. Not with pipeline stages (the last stage samples, the first embeds). It pays where the driver has
-        little to do per step: `generate` (LocalEngine, on by default) decoded 2-5 % faster at batch 1 and 16 on a
-        2-core host; a server streaming tokens over HTTP on that host was slower with it (its per-token work then
+        little to do per step: `generate` (LocalEngine, on by default) decoded 1.00-1.05x as fast on a 2-core host
+        (bench/decode_vs_commit.py); a server streaming tokens over HTTP on that host was slower with it (its per-token work then
         competes with the ranks for the cores), so `serve` leaves it off (bench/RESULTS.md)."""
         self.settings = settings or Settings.from_env()
         self.group = RankGroup(plan, source, self.settings, threads, shm,
@@ -206,7 +206,8 @@ class Engine:
         return True, "ok"
 
     def cached_tokens(self) -> int:
-        """Tokens held in the KV cache now (prompt tokens prefilled plus tokens generated, over running requests)."""
+        """Tokens in the KV cache, or on their way in a step under way (prompt tokens sent to the ranks plus tokens
+        generated, over running requests)."""
         return sum(r.prefilled + len(r.output_ids) for r in list(self.scheduler.running))
 
     def stats(self) -> EngineStats:
