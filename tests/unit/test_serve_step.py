@@ -28,8 +28,8 @@ def test_prefill_groups_share_a_pass_within_the_padding_bound():
     assert prefill_groups([], 128) == []
 
 
-def _runner(folder) -> SlotRunner:
-    rank = build(folder, kv=KVBudget(4, 64, 64))
+def _runner(folder, slots: int = 4) -> SlotRunner:
+    rank = build(folder, kv=KVBudget(slots, 64, 64))
     return SlotRunner(rank, ParallelContext())
 
 
@@ -83,22 +83,33 @@ def _decode_logits(runner: SlotRunner, slots: list[int], tokens: dict, positions
     return {s: row for s, row in zip(slots, torch.cat(got))}
 
 
-@pytest.mark.parametrize("name", ["gqa12x4", "mistral_window"])
-def test_decode_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(random_dirs, name):
+@pytest.fixture
+def torch_threads():
+    """Set torch's thread count for one test (restored after it)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name,threads", [("gqa12x4", 2), ("mistral_window", 2), ("gqa12x4", 3), ("gqa12x4", 1)])
+def test_decode_rows_of_different_lengths_equal_each_row_alone_bit_for_bit(random_dirs, name, threads, torch_threads):
     """Each decode row attends over its own span of the cache only (csrc/attend.h allowed_span; with a sliding
-    window the span starts past 0): a short row beside a long one gives the very logits it gives alone."""
-    lengths = [3, 29, 58]  # mistral_window's window is shorter than the longest
+    window the span starts past 0): a short row beside long ones gives the very logits it gives alone, however the
+    threads split the rows by cost (one long row first, short rows after it, one long row last)."""
+    torch_threads(threads)
+    lengths = [58, 3, 29, 4, 5, 61]  # mistral_window's window is shorter than the longest
+    rows = list(range(len(lengths)))
     prompts = [[(11 * s + 3 * j) % 200 + 5 for j in range(n)] for s, n in enumerate(lengths)]
-    together, alone = _runner(random_dirs[name]), _runner(random_dirs[name])
-    starts = tuple(SlotStart(s, 7) for s in range(3))
+    together, alone = _runner(random_dirs[name], len(rows)), _runner(random_dirs[name], len(rows))
+    starts = tuple(SlotStart(s, 7) for s in rows)
     first = tuple(_prefill(s, p) for s, p in enumerate(prompts))
     tokens = {s: w.token for s, w in together.run(Step(0, starts, first)).slots.items()}
     alone.run(Step(0, starts, first))
     positions = {s: n for s, n in enumerate(lengths)}
-    for i in range(4):
-        a = _decode_logits(together, [0, 1, 2], tokens, positions, 10 + i)
-        for s in range(3):
-            b = _decode_logits(alone, [s], tokens, positions, 20 + 3 * i + s)
-            assert torch.equal(a[s], b[s]), f"row {s} (length {positions[s]}) differs beside longer rows"
-        tokens = {s: int(a[s].argmax()) for s in range(3)}
+    for i in range(3):
+        a = _decode_logits(together, rows, tokens, positions, 10 + i)
+        for s in rows:
+            b = _decode_logits(alone, [s], tokens, positions, 20 + len(rows) * i + s)
+            assert torch.equal(a[s], b[s]), f"row {s} (length {positions[s]}) differs beside other rows"
+        tokens = {s: int(a[s].argmax()) for s in rows}
         positions = {s: p + 1 for s, p in positions.items()}

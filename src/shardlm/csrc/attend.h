@@ -144,21 +144,47 @@ inline std::pair<int64_t, int64_t> allowed_span(const bool* allowed, int64_t t) 
   return {lo, hi};
 }
 
+// Tasks [0, n) with costs cost(task) >= 0 cut into `parts` runs of consecutive tasks of about equal total cost:
+// run i is [bounds[i], bounds[i + 1]). A run ends after the task whose cost first reaches i + 1 parts' share.
+template <typename Cost>
+inline std::vector<int64_t> cost_runs(int64_t n, int64_t parts, Cost cost) {
+  std::vector<int64_t> bounds(static_cast<size_t>(parts) + 1, n);
+  bounds[0] = 0;
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) total += cost(i);
+  double sum = 0;
+  int64_t part = 1;
+  for (int64_t i = 0; i < n && part < parts; ++i) {
+    sum += cost(i);
+    while (part < parts && sum >= total * part / parts) bounds[part++] = i + 1;
+  }
+  return bounds;
+}
+
 // Attention of one token per row j over the cache: for each query head h, softmax(K q_h / sqrt(hd)) V, with K and
 // V the rows of KV head map[h] of slot row_of[j], positions allowed by mask (b, t), each row over its own allowed
 // span (allowed_span).
 //   q (b, hq, hd) float32; keys/vals: the cache (slots, hkv, max_len, hd) in W; out (b, hq, hd) float32.
-// Tasks are (row, head) pairs; each one's arithmetic is the same whatever the batch (batch invariance).
+// Tasks are (row, head) pairs; each one's arithmetic is the same whatever the batch (batch invariance). The threads
+// take runs of tasks of about equal cost (a task costs its span plus a fixed part), so a batch of a few long rows
+// and many short ones keeps every thread busy: equal counts of tasks left one thread with the long rows.
 template <typename W>
 void attend_heads(const float* q, const W* keys, const W* vals, const int64_t* row_of, const int64_t* map,
                   const bool* mask, float* out, int64_t b, int64_t hq, int64_t hkv, int64_t hd, int64_t max_len,
                   int64_t t) {
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  at::parallel_for(0, b * hq, 1, [&](int64_t lo, int64_t hi) {
+  std::vector<std::pair<int64_t, int64_t>> spans(static_cast<size_t>(b));
+  for (int64_t j = 0; j < b; ++j) spans[j] = allowed_span(mask + j * t, t);
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), b * hq);
+  const auto runs = cost_runs(b * hq, parts, [&](int64_t task) {
+    const auto [lo, hi] = spans[task / hq];
+    return static_cast<double>(hi - lo + 8);  // + 8: the per-task setup, in positions' worth
+  });
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
     std::vector<float> p(static_cast<size_t>(t));
-    for (int64_t task = lo; task < hi; ++task) {
+    for (int64_t task = runs[first]; task < runs[last]; ++task) {
       const int64_t j = task / hq, h = task % hq;
-      const auto [lo, hi] = allowed_span(mask + j * t, t);
+      const auto [lo, hi] = spans[j];
       const int64_t base = ((row_of[j] * hkv + map[h]) * max_len + lo) * hd, n = hi - lo;
       const bool* allowed = mask + j * t + lo;
       key_scores<W>(keys + base, q + task * hd, p.data(), n, hd);
