@@ -52,6 +52,15 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
                 assert torch.equal(got, want), (dtype, b)
             else:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    for dtype in (torch.float32, torch.bfloat16):  # float prefill: in place (few rows) or through panels, one chain
+        wf, xs = torch.randn(29, 203, generator=g).to(dtype), torch.randn(40, 203, generator=g)
+        for b in (3, 16, 40):
+            panels, in_place = ext.prefill_float(xs[:b], wf, 0), ext.prefill_float(xs[:b], wf, 1000)
+            assert torch.equal(panels, in_place), (dtype, b)  # one build: the same fma (or multiply-add) chains
+            if "fma" in needs:
+                assert torch.equal(panels, native.prefill_float(xs[:b], wf)), (dtype, b)
+            else:
+                torch.testing.assert_close(panels, native.prefill_float(xs[:b], wf), rtol=1e-5, atol=1e-4)
     for dtype in (torch.float32, torch.bfloat16):  # prefill attention: the same chains with 8- or 16-lane tiles
         q, k, v = (torch.randn(2, 5, n, 12, generator=g).to(dtype) for n in (19, 23, 23))
         kv, mask = torch.tensor([0, 0, 1, 3, 4]), torch.ones(23, 23, dtype=torch.bool).tril()[None, None, 4:]

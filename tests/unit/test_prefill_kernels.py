@@ -134,6 +134,22 @@ def test_float_prefill_equals_float64_and_a_row_is_the_same_in_any_batch(n, k, d
     assert half.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("n,k", [(301, 577), (17, 1000), (5, 40), (64, 32), (7, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_prefill_in_place_and_through_panels_give_the_same_bits(n, k, dtype, ext):
+    """A pass of a few rows reads the weight in place (csrc/fewrows.h), a larger one widens panels (csrc/qgemm.h):
+    the same FMA chain per output either way, so a prompt's numbers do not depend on the rows of its pass. Row counts
+    off the blocks of 8 or 16 rows and off the panel tiles of 12, 8, 4 and 2; the few_rows argument forces either."""
+    g = torch.Generator().manual_seed(3 * n + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    for b in (1, 3, 16, 17, 23, 45):
+        x = torch.randn(b, k, generator=g)
+        panels, in_place = ext.prefill_float(x, w, 0), ext.prefill_float(x, w, 1000)
+        assert torch.equal(panels, in_place), b
+        assert torch.equal(ext.prefill_float(x, w), panels), b  # the default crossover between them
+    assert ext.prefill_float(torch.randn(0, k), w, 1000).shape == (0, n)
+
+
 def test_float_prefill_refuses_a_width_that_does_not_match(ext):
     with pytest.raises(RuntimeError, match="shapes"):
         ext.prefill_float(torch.randn(3, 40), torch.randn(8, 41))

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "decode.h"
+#include "fewrows.h"
 #include "prefill_attn.h"
 #include "qgemm.h"
 #include "stack.h"
@@ -152,18 +153,32 @@ torch::Tensor prefill_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tenso
                        [&](int64_t r0, float* out) { shardlm::widen_panel_int4(w, r0, out); });
 }
 
-// Prefill with a float32 or bfloat16 weight (n, k): x (..., k) -> (..., n) in x's dtype through widened panels
-// (qgemm.h); each output one FMA chain over k in order, whatever the rows around it.
-torch::Tensor prefill_float(torch::Tensor x_in, torch::Tensor w) {
+// Prefill with a float32 or bfloat16 weight (n, k): x (..., k) -> (..., n) in x's dtype, each output one FMA chain
+// over k in order, whatever the rows around it: passes of up to `few_rows` rows read the weight in place
+// (fewrows.h), larger ones through widened panels (qgemm.h); both give the same bits.
+torch::Tensor prefill_float(torch::Tensor x_in, torch::Tensor w, int64_t few_rows) {
   TORCH_CHECK(w.dim() == 2 && x_in.size(-1) == w.size(1) && w.is_contiguous(),
               "prefill_float: shapes (..., k) and contiguous (n, k) expected; got ", x_in.sizes(), " and ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16,
+              "prefill_float: float32 or bfloat16 weights");
   const int64_t n = w.size(0), k = w.size(1), kp = (k + 7) / 8 * 8;
-  if (w.scalar_type() == torch::kFloat) {
+  const bool f32 = w.scalar_type() == torch::kFloat;
+  if (x_in.numel() / std::max<int64_t>(k, 1) <= few_rows) {
+    auto lead = x_in.sizes().vec();
+    lead.back() = n;
+    const auto x = x_in.reshape({-1, k}).to(torch::kFloat).contiguous();  // (b, k)
+    auto y = torch::empty({x.size(0), n}, x.options());
+    if (f32)
+      shardlm::few_rows_gemm(x.data_ptr<float>(), x.size(0), k, w.data_ptr<float>(), n, y.data_ptr<float>());
+    else
+      shardlm::few_rows_gemm(x.data_ptr<float>(), x.size(0), k, shardlm::data<uint16_t>(w), n, y.data_ptr<float>());
+    return y.view(lead).to(x_in.scalar_type());
+  }
+  if (f32) {
     const float* wp = w.data_ptr<float>();
     return panel_product(x_in, kp, 0, n, false, false,
                          [&](int64_t r0, float* out) { shardlm::widen_panel_float(wp, k, kp, n, r0, out); });
   }
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "prefill_float: float32 or bfloat16 weights");
   const uint16_t* wp = shardlm::data<uint16_t>(w);
   return panel_product(x_in, kp, 0, n, false, false,
                        [&](int64_t r0, float* out) { shardlm::widen_panel_float(wp, k, kp, n, r0, out); });
@@ -176,8 +191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_int4", &gemm_int4, "matrix product with int4 weights in groups of 32 (wide: float64 out)",
         py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
-  m.def("prefill_float", &prefill_float, "many-row product with float32 or bfloat16 weights through panels",
-        py::arg("x"), py::arg("w"));
+  m.def("prefill_float", &prefill_float, "many-row product with float32 or bfloat16 weights (in place for a few rows, "
+        "else through panels)", py::arg("x"), py::arg("w"), py::arg("few_rows") = shardlm::FEW_ROWS);
   m.def("prefill_int8", &prefill_int8, "many-row product with int8 weights through dequantized panels",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
   m.def("prefill_int4", &prefill_int4, "many-row product with int4 weights through dequantized panels",

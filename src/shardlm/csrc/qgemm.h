@@ -103,11 +103,12 @@ inline void store_transposed(const v8f* rows, float* out) {
 // `row8(r, k)` gives row r's columns [k, k + 8).
 template <typename Row8>
 inline void widen_panel(int64_t kp, int64_t n, int64_t r0, float* out, const Row8& row8) {
-  v8f rows[PANEL];
-  for (int64_t k = 0; k < kp; k += 8) {
-    for (int64_t r = 0; r < PANEL; ++r) rows[r] = r0 + r < n ? row8(r0 + r, k) : v8f{};
-    for (int64_t g = 0; g < PANEL; g += 8) store_transposed(rows + g, out + k * PANEL + g);
-  }
+  v8f rows[8];
+  for (int64_t g = 0; g < PANEL; g += 8)  // eight rows at a time: eight streams from memory, not PANEL
+    for (int64_t k = 0; k < kp; k += 8) {
+      for (int64_t r = 0; r < 8; ++r) rows[r] = r0 + g + r < n ? row8(r0 + g + r, k) : v8f{};
+      store_transposed(rows, out + k * PANEL + g);
+    }
 }
 
 // An int8 weight (rows kp apart, one scale a row): the codes times their row's scale (exact in float32).
@@ -225,6 +226,10 @@ inline void chunk_rows(const float* x, int64_t b, int64_t kp, const float* chunk
       const int64_t c0 = p * PANEL, cols = std::min(PANEL, n - c0);
       int64_t j = j0;
       for (; j + MR <= j1; j += MR) panel_tile<T, Exact, MR>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
+      // the rows left: in tiles of 8, 4 and 2 before single rows (each row of a single-row tile loads the panel once)
+      if (MR > 8 && j + 8 <= j1) panel_tile<T, Exact, 8>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 8;
+      if (j + 4 <= j1) panel_tile<T, Exact, 4>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 4;
+      if (j + 2 <= j1) panel_tile<T, Exact, 2>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 2;
       for (; j < j1; ++j) panel_tile<T, Exact, 1>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
     }
   }

@@ -1,0 +1,107 @@
+// Prefill products of a few rows (a short prompt, a few chunks) with a float32 or bfloat16 weight read in place.
+//
+// The panel kernel (qgemm.h) first widens each panel of weight rows into a [k][PANEL] buffer: a copy of the whole
+// weight on every call. For a pass of hundreds of rows that copy is small beside the arithmetic; for a 64-token
+// prompt it was as long as the arithmetic itself (35 % of the pass in widen_panel, 32 % in the tiles; perf,
+// bundled model). Here the few rows of x are laid out instead, columns by blocks of VL rows ([block][k][VL]: a few
+// hundred KB at most), and each weight row is read where it lies, one value at a time broadcast to every lane: a
+// register tile of R weight rows by JB blocks of x rows runs R * JB FMAs per weight column.
+//
+// Each output is one float32 lane whose FMA chain runs over k in order from +0, its terms w[r, c] * x[j, c]: the
+// very chain of the panel tiles (their padding columns add 0 * 0 to a sum that is never -0, which changes no
+// bit), so a row's result is the same whichever kernel the number of rows in its pass picks.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "qgemm.h"
+
+namespace shardlm {
+
+constexpr int64_t FEW_ROWS = 16;  // passes of up to this many rows take few_rows_gemm (measured crossover, below)
+#if defined(__AVX512F__)
+constexpr int FEW_R = 6, FEW_JB = 4;  // 24 accumulators + 4 row vectors + 1 broadcast of 32 registers
+#else
+constexpr int FEW_R = 4, FEW_JB = 2;  // 8 + 2 + 1 of 16
+#endif
+
+// w[i] as a float in every lane (bfloat16: the high half of a float32).
+template <typename W>
+inline vpf splat_w(const W* p);
+template <>
+inline vpf splat_w<float>(const float* p) { return splat_p(p); }
+template <>
+inline vpf splat_w<uint16_t>(const uint16_t* p) {
+  const float v = bf16_to_float(*p);
+  return splat_p(&v);
+}
+
+// xt[(blk * k + c) * VL + l] = x[blk * VL + l, c] for the b rows of x (k columns), zeros past row b.
+inline std::vector<float> rows_by_blocks(const float* x, int64_t b, int64_t k) {
+  const int64_t blocks = (b + VL - 1) / VL;
+  std::vector<float> xt(static_cast<size_t>(blocks * k * VL), 0.f);
+  at::parallel_for(0, k, 256, [&](int64_t c0, int64_t c1) {
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t l = 0; l < VL && blk * VL + l < b; ++l) xt[(blk * k + c) * VL + l] = x[(blk * VL + l) * k + c];
+  });
+  return xt;
+}
+
+// y[j, r] for weight rows [r0, r0 + R) and x rows of blocks [jb0, jb0 + JB): one FMA chain per output over k.
+template <typename W, int R, int JB>
+inline void few_rows_tile(const float* xt, int64_t k, const W* w, int64_t r0, int64_t jb0, float* y, int64_t n,
+                          int64_t b) {
+  vpf acc[R][JB];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < JB; ++q) acc[r][q] = vpf{};
+  for (int64_t c = 0; c < k; ++c) {
+    vpf xv[JB];
+    for (int q = 0; q < JB; ++q) {
+      vpf v = load_p(xt + ((jb0 + q) * k + c) * VL);
+#if defined(__AVX__)
+      asm("" : "+v"(v));  // one load into a register, not one folded into each of the R FMAs (see rows.h)
+#endif
+      xv[q] = v;
+    }
+    for (int r = 0; r < R; ++r) {
+      const vpf wb = splat_w<W>(w + (r0 + r) * k + c);
+      for (int q = 0; q < JB; ++q) acc[r][q] = fma_p(wb, xv[q], acc[r][q]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < JB; ++q) {
+      float lanes[VL];
+      std::memcpy(lanes, &acc[r][q], sizeof(lanes));
+      for (int64_t l = 0; l < VL; ++l) {
+        const int64_t j = (jb0 + q) * VL + l;
+        if (j < b) y[j * n + r0 + r] = lanes[l];
+      }
+    }
+}
+
+// Weight rows [r0, r0 + R) against every block of x rows, FEW_JB blocks at a time (the rows stay in L1 meanwhile).
+template <typename W, int R>
+inline void few_rows_weight_rows(const float* xt, int64_t k, const W* w, int64_t r0, float* y, int64_t n, int64_t b) {
+  const int64_t blocks = (b + VL - 1) / VL;
+  int64_t q = 0;
+  for (; q + FEW_JB <= blocks; q += FEW_JB) few_rows_tile<W, R, FEW_JB>(xt, k, w, r0, q, y, n, b);
+  for (; q < blocks; ++q) few_rows_tile<W, R, 1>(xt, k, w, r0, q, y, n, b);
+}
+
+// y (b, n) = x (b, k) @ w^T for a float32 or bfloat16 weight (n, k) in place; b <= FEW_ROWS is where it pays.
+template <typename W>
+inline void few_rows_gemm(const float* x, int64_t b, int64_t k, const W* w, int64_t n, float* y) {
+  const std::vector<float> xt = rows_by_blocks(x, b, k);
+  at::parallel_for(0, n, 4 * FEW_R, [&](int64_t lo, int64_t hi) {
+    int64_t r = lo;
+    for (; r + FEW_R <= hi; r += FEW_R) few_rows_weight_rows<W, FEW_R>(xt.data(), k, w, r, y, n, b);
+    for (; r < hi; ++r) few_rows_weight_rows<W, 1>(xt.data(), k, w, r, y, n, b);
+  });
+}
+
+}  // namespace shardlm
