@@ -8,7 +8,8 @@
 // panel of PANEL weight rows (16, or 32 with AVX-512) is widened to float32 once per call into a thread's buffer
 // laid out [k][PANEL] (the codes times their scales: exact in float32 for int8; (q - 8) * scale + zero for int4,
 // as Int4Weight.dequantized computes it), and a register tile of MR activation rows by PANEL weight rows runs
-// FMAs over k: two vector loads and MR broadcasts feed 2 * MR FMAs.
+// FMAs over k: two vector loads and MR broadcasts feed 2 * MR FMAs. (A float pass of a few rows skips the widening:
+// fewrows.h runs the same chains over the weight in place.)
 //
 // Each output keeps one float32 lane whose FMA chain runs over k in order, whatever the number of rows, the
 // tile or the panel it falls in: a token's result does not depend on the batch or the chunk around it, nor

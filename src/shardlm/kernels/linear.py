@@ -56,8 +56,9 @@ def _panel_prefill(x: torch.Tensor, weight: torch.Tensor, gemv) -> bool:
 def matmul_t(x: torch.Tensor, weight: torch.Tensor, gemv=None) -> torch.Tensor:
     """x (..., in) @ weight^T -> (..., out) for a plain weight. With the compiled kernels: a prefill through
     their panel kernel (float32 FMA tiles, each output one chain over `in` in order; about 2x MKL's F.linear for
-    512 rows of the bundled model's shapes on an AVX-512 host, 1.05-1.3x for 16; measured), few rows of one
-    position through their row loop.
+    512 rows of the bundled model's shapes on an AVX-512 host, 1.05-1.3x for 16; measured), or for a pass of up to
+    16 rows the same chains over the weight in place (csrc/fewrows.h), few rows of one position through their row
+    loop.
     Otherwise F.linear; many bfloat16 rows on a CPU without bfloat16 units are multiplied in float32 and rounded
     once, which is what the bfloat16 matmul computes too, several times faster there (kernels.build.bf16_units)."""
     if _panel_prefill(x, weight, gemv):
