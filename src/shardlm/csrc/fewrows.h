@@ -29,14 +29,10 @@ constexpr int FEW_R = 6, FEW_JB = 4;  // 24 accumulators + 4 row vectors + 1 bro
 constexpr int FEW_R = 4, FEW_JB = 2;  // 8 + 2 + 1 of 16
 #endif
 
-// w[i] as a float in every lane (bfloat16: the high half of a float32).
+// *p (float32, or bfloat16 bits) as a float in every lane.
 template <typename W>
-inline vpf splat_w(const W* p);
-template <>
-inline vpf splat_w<float>(const float* p) { return splat_p(p); }
-template <>
-inline vpf splat_w<uint16_t>(const uint16_t* p) {
-  const float v = bf16_to_float(*p);
+inline vpf splat_w(const W* p) {
+  const float v = load<W>(p, 0);
   return splat_p(&v);
 }
 

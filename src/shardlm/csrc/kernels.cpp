@@ -21,14 +21,23 @@
 #include "qgemm.h"
 #include "stack.h"
 
+// The rows of x (..., k) as contiguous float32 (b, k) (copied only if not float32 or not contiguous), and the shape
+// (..., n) of their product with a weight of n rows.
+inline torch::Tensor float_rows(const torch::Tensor& x_in) {
+  return x_in.reshape({-1, x_in.size(-1)}).to(torch::kFloat).contiguous();
+}
+inline std::vector<int64_t> out_shape(const torch::Tensor& x_in, int64_t n) {
+  auto shape = x_in.sizes().vec();
+  shape.back() = n;
+  return shape;
+}
+
 // x (..., k) float32 or bfloat16; w (n, k) float32 or bfloat16 contiguous -> (..., n) in x's dtype.
 // Accumulates in float32. One call per linear layer keeps the per-layer Python overhead small.
 torch::Tensor gemv(torch::Tensor x_in, torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && x_in.size(-1) == w.size(1), "gemv: shapes (..., k) and (n, k) expected");
   TORCH_CHECK(w.is_contiguous(), "gemv: contiguous weight expected");
-  auto lead = x_in.sizes().vec();
-  lead.pop_back();
-  auto x = x_in.reshape({-1, x_in.size(-1)}).to(torch::kFloat).contiguous();
+  const auto x = float_rows(x_in);
   const int64_t n = w.size(0), k = w.size(1), b = x.size(0);
   auto y = torch::empty({b, n}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -39,8 +48,7 @@ torch::Tensor gemv(torch::Tensor x_in, torch::Tensor w) {
     TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "gemv: float32 or bfloat16 weights");
     shardlm::gemv_segments<uint16_t>({{shardlm::data<uint16_t>(w), yp, n}}, xp, k, b);
   }
-  lead.push_back(n);
-  return y.view(lead).to(x_in.scalar_type());
+  return y.view(out_shape(x_in, n)).to(x_in.scalar_type());
 }
 
 // x (..., k) float32 or bfloat16; q (n, kq) int8 codes, kq = k rounded up to 32 (zero columns past k); scale (n,)
@@ -54,16 +62,13 @@ torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale
   TORCH_CHECK(kq == (k + shardlm::QBLOCK - 1) / shardlm::QBLOCK * shardlm::QBLOCK && scale.numel() == n,
               "gemv_int8: shapes (..., k), (n, k rounded up to 32), (n,) expected; got k = ", k, ", codes ", q.sizes(),
               ", ", scale.numel(), " scales");
-  auto lead = x_in.sizes().vec();
-  lead.pop_back();
-  auto x = x_in.reshape({-1, k}).to(torch::kFloat).contiguous();
-  const auto scale32 = scale.to(torch::kFloat).contiguous();
+  const auto x = float_rows(x_in), scale32 = scale.to(torch::kFloat).contiguous();
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
   shardlm::quantize_rows(x.data_ptr<float>(), b, k, kq, xq);
   const int8_t* w = q.data_ptr<int8_t>();
   const float* s = scale32.data_ptr<float>();
-  lead.push_back(n);
+  const auto lead = out_shape(x_in, n);
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
     double* yp = y.data_ptr<double>();
@@ -84,13 +89,11 @@ torch::Tensor gemm_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor s
   const int64_t k = x_in.size(-1);
   const shardlm::Int4Tiles w = shardlm::int4_tiles(codes, sz, n, k, pad_left, "gemm_int4");
   const int64_t kp = w.groups * shardlm::QBLOCK;
-  auto lead = x_in.sizes().vec();
-  lead.pop_back();
-  auto x = x_in.reshape({-1, k}).to(torch::kFloat).contiguous();
+  const auto x = float_rows(x_in);
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
   shardlm::quantize_padded(x.data_ptr<float>(), b, k, pad_left, kp, xq);
-  lead.push_back(n);
+  const auto lead = out_shape(x_in, n);
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
     double* yp = y.data_ptr<double>();
@@ -110,12 +113,10 @@ template <typename Widen>
 torch::Tensor panel_product(const torch::Tensor& x_in, int64_t kp, int64_t pad_left, int64_t n, bool exact, bool wide,
                             const Widen& widen) {
   const int64_t k = x_in.size(-1);
-  auto lead = x_in.sizes().vec();
-  lead.pop_back();
-  lead.push_back(n);
+  const auto lead = out_shape(x_in, n);
   torch::Tensor x;
-  if (pad_left == 0 && kp == k) {  // no padding: float rows as they are (copied only if not float or contiguous)
-    x = x_in.reshape({-1, k}).to(torch::kFloat).contiguous();
+  if (pad_left == 0 && kp == k) {  // no padding: float rows as they are
+    x = float_rows(x_in);
   } else {
     x = torch::zeros({x_in.numel() / std::max<int64_t>(k, 1), kp}, x_in.options().dtype(torch::kFloat));
     x.narrow(1, pad_left, k).copy_(x_in.reshape({-1, k}));  // (b, kp): zeros meet the weight's zero columns
@@ -156,32 +157,26 @@ torch::Tensor prefill_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tenso
 // Prefill with a float32 or bfloat16 weight (n, k): x (..., k) -> (..., n) in x's dtype, each output one FMA chain
 // over k in order, whatever the rows around it: passes of up to `few_rows` rows read the weight in place
 // (fewrows.h), larger ones through widened panels (qgemm.h); both give the same bits.
+template <typename W>
+torch::Tensor prefill_float_t(const torch::Tensor& x_in, const torch::Tensor& w, int64_t few_rows) {
+  const int64_t n = w.size(0), k = w.size(1), kp = (k + 7) / 8 * 8;
+  const W* wp = shardlm::data<W>(w);
+  if (x_in.numel() / std::max<int64_t>(k, 1) > few_rows)
+    return panel_product(x_in, kp, 0, n, false, false,
+                         [&](int64_t r0, float* out) { shardlm::widen_panel_float(wp, k, kp, n, r0, out); });
+  const auto x = float_rows(x_in);  // (b, k)
+  auto y = torch::empty({x.size(0), n}, x.options());
+  shardlm::few_rows_gemm(x.data_ptr<float>(), x.size(0), k, wp, n, y.data_ptr<float>());
+  return y.view(out_shape(x_in, n)).to(x_in.scalar_type());
+}
+
 torch::Tensor prefill_float(torch::Tensor x_in, torch::Tensor w, int64_t few_rows) {
   TORCH_CHECK(w.dim() == 2 && x_in.size(-1) == w.size(1) && w.is_contiguous(),
               "prefill_float: shapes (..., k) and contiguous (n, k) expected; got ", x_in.sizes(), " and ", w.sizes());
   TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16,
               "prefill_float: float32 or bfloat16 weights");
-  const int64_t n = w.size(0), k = w.size(1), kp = (k + 7) / 8 * 8;
-  const bool f32 = w.scalar_type() == torch::kFloat;
-  if (x_in.numel() / std::max<int64_t>(k, 1) <= few_rows) {
-    auto lead = x_in.sizes().vec();
-    lead.back() = n;
-    const auto x = x_in.reshape({-1, k}).to(torch::kFloat).contiguous();  // (b, k)
-    auto y = torch::empty({x.size(0), n}, x.options());
-    if (f32)
-      shardlm::few_rows_gemm(x.data_ptr<float>(), x.size(0), k, w.data_ptr<float>(), n, y.data_ptr<float>());
-    else
-      shardlm::few_rows_gemm(x.data_ptr<float>(), x.size(0), k, shardlm::data<uint16_t>(w), n, y.data_ptr<float>());
-    return y.view(lead).to(x_in.scalar_type());
-  }
-  if (f32) {
-    const float* wp = w.data_ptr<float>();
-    return panel_product(x_in, kp, 0, n, false, false,
-                         [&](int64_t r0, float* out) { shardlm::widen_panel_float(wp, k, kp, n, r0, out); });
-  }
-  const uint16_t* wp = shardlm::data<uint16_t>(w);
-  return panel_product(x_in, kp, 0, n, false, false,
-                       [&](int64_t r0, float* out) { shardlm::widen_panel_float(wp, k, kp, n, r0, out); });
+  return w.scalar_type() == torch::kFloat ? prefill_float_t<float>(x_in, w, few_rows)
+                                          : prefill_float_t<uint16_t>(x_in, w, few_rows);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -228,7 +228,8 @@ inline void chunk_rows(const float* x, int64_t b, int64_t kp, const float* chunk
       int64_t j = j0;
       for (; j + MR <= j1; j += MR) panel_tile<T, Exact, MR>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
       // the rows left: in tiles of 8, 4 and 2 before single rows (each row of a single-row tile loads the panel once)
-      if (MR > 8 && j + 8 <= j1) panel_tile<T, Exact, 8>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 8;
+      if constexpr (MR > 8)
+        if (j + 8 <= j1) panel_tile<T, Exact, 8>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 8;
       if (j + 4 <= j1) panel_tile<T, Exact, 4>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 4;
       if (j + 2 <= j1) panel_tile<T, Exact, 2>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 2;
       for (; j < j1; ++j) panel_tile<T, Exact, 1>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
