@@ -86,7 +86,8 @@ class Shardlm:
     """One CUDA rank in this process: the runtime's own load and generate."""
 
     def __init__(self, folder: Path, dtype: torch.dtype, quantization=None, budget=None, prefetch=True,
-                 graphs: bool = True):
+                 graphs: bool = True, compile: bool = False, join: bool = True, host_inputs: bool = False,
+                 ahead: bool = True, compile_mode: str | None = None):
         from shardlm.engine.session import plan_run
         from shardlm.parallel.context import ParallelContext
         from shardlm.plan.run import RunFlags
@@ -98,10 +99,43 @@ class Shardlm:
         plan, source = plan_run(str(folder), flags)
         self.args = source.args
         # decode steps as CUDA graph replays (runtime/cuda_graph.py) unless `graphs` is off
-        self.model = build_rank_model(plan.rank_spec(0), source, ParallelContext(),
-                                      Settings.from_env(cuda_graphs=graphs), "cuda:0")
+        settings = Settings.from_env(cuda_graphs=graphs, cuda_compile=compile, cuda_join=join)
+        self.model = build_rank_model(plan.rank_spec(0), source, ParallelContext(), settings, "cuda:0")
+        self.kernels = self.model.kernels.describe()
+        graphs = self.model.graphs
+        if compile_mode and graphs is not None:  # a bench-only experiment: another Inductor mode
+            from shardlm.runtime.cuda_graph import decode_step
+            graphs.step_fn = torch.compile(decode_step, dynamic=False, mode=compile_mode)
+        if (host_inputs or not ahead) and graphs is not None:
+            pick = graphs.decoder
+
+            def decoder(*a, **k):
+                dec = pick(*a, **k)
+                if dec is not None:
+                    dec.ahead = 0  # the host reads each step's token before the next replay
+                    dec.advance = dec.advance and not host_inputs  # the host builds each step's inputs
+                return dec
+            graphs.decoder = decoder
         self.resident = self.model.resident_bytes()
         self.streamed_per_token = self.model.streamed_bytes_per_step()
+
+    @torch.inference_mode()
+    def replay_ms(self, n: int = 50) -> float | None:
+        """GPU time of one decode step: n replays of the last captured graph back to back, timed with events
+        (its cache slots 0..n-1 are overwritten; the next generate call starts from an empty cache anyway)."""
+        graphs = self.model.graphs
+        dec = next(reversed(graphs.kept.values()), None) if graphs is not None else None
+        if dec is None or dec.graph is None:
+            return None
+        dec.slot.fill_(0)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            dec.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
 
     def generate(self, ids: list[int], new: int) -> list[int]:
         from shardlm.runtime.protocol import SamplingParams
@@ -184,22 +218,49 @@ def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def run_decode(models: dict, rounds: int, new: int, say) -> list[dict]:
-    """Each model: shardlm (float, int8, int4 where asked) and transformers, alternating per round."""
+VARIANTS = {
+    "host-inputs": lambda f, d: Shardlm(f, d, join=False, host_inputs=True),
+    "step-by-step": lambda f, d: Shardlm(f, d, ahead=False),
+    "unjoined": lambda f, d: Shardlm(f, d, join=False),
+    "compiled": lambda f, d: Shardlm(f, d, compile=True),
+    "compiled-default-mode": lambda f, d: Shardlm(f, d, compile=True, compile_mode="default"),
+}
+"""The float graph path's variants (--variants NAME,...): host-inputs, the host building every step's mask,
+positions and slot and reading each token before the next replay (the path before 2026-11-26); step-by-step, the
+replay advancing its own inputs but the host still reading each token before the next replay; unjoined, q/k/v
+and gate/up as separate products; compiled, the step compiled before capture (SHARDLM_CUDA_COMPILE=1: Inductor's
+max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode."""
+
+
+def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ...] = (),
+               baseline: bool = True) -> list[dict]:
+    """Each model: shardlm (float, int8, int4 where asked; the named VARIANTS of the float graph path) and
+    transformers, alternating per round. Without `baseline`, only transformers and the variants."""
     rows = []
     for label, (folder, dtype, quants) in models.items():
         from shardlm.models.args import read_config
 
         ids = prompt(read_config(folder)["vocab_size"])
         systems = {"transformers": lambda: Transformers(folder, dtype)}
-        for q in quants:
+        for q in quants if baseline else []:
             systems[f"shardlm{'' if q is None else ' ' + q}"] = (lambda q=q: Shardlm(folder, dtype, q))
             if q is None:
                 systems["shardlm eager"] = lambda: Shardlm(folder, dtype, graphs=False)
-        built = {}
+        for v in variants:
+            systems[f"shardlm {v}"] = lambda v=v: VARIANTS[v](folder, dtype)
+        built, errors = {}, {}
         for name, make in systems.items():
-            built[name] = make()
-            decode_rate(built[name], ids, new)  # warm-up at full length: kernels, cuBLAS handles, allocator
+            t0 = time.perf_counter()
+            try:
+                built[name] = make()
+                decode_rate(built[name], ids, new)  # warm-up at full length: kernels, cuBLAS handles, compiling
+            except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' numbers
+                errors[name] = f"{type(e).__name__}: {e}"[:2000]
+                built.pop(name, None)
+                say(f"  {label} {name} failed: {errors[name][:300]}")
+                continue
+            say(f"  {label} {name} ready in {time.perf_counter() - t0:.0f} s"
+                f"{' (' + built[name].kernels + ')' if isinstance(built[name], Shardlm) else ''}")
         samples = {name: [] for name in built}
         tokens = {}
         for r in range(rounds):
@@ -213,8 +274,14 @@ def run_decode(models: dict, rounds: int, new: int, say) -> list[dict]:
             agree = next((k for k, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
             rows.append({"model": label, "system": name, "tok_s": samples[name],
                          "weight_bytes": system.resident if isinstance(system, Shardlm) else weight_bytes(folder),
-                         "tokens_equal_to_transformers": agree, "tokens": len(ref)})
+                         "tokens_equal_to_transformers": agree, "tokens": len(ref),
+                         "kernels": getattr(system, "kernels", None),
+                         "replay_ms": [system.replay_ms() for _ in range(3)] if isinstance(system, Shardlm) else None})
+            if rows[-1]["replay_ms"] and rows[-1]["replay_ms"][0] is not None:
+                say(f"  {label} {name}: {statistics.median(samples[name]):.1f} tok/s, GPU time of a replay "
+                    f"{min(rows[-1]['replay_ms']):.3f} ms")
             system.close()
+        rows.extend({"model": label, "system": name, "error": err} for name, err in errors.items())
     return rows
 
 
@@ -271,6 +338,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--only", choices=("decode", "offload"), help="run one part")
     ap.add_argument("--work", default=None, help="folder for the random checkpoints (default: a temporary one)")
+    ap.add_argument("--models", default="smollm2-135m,llama-3.2-1b",
+                    help="comma-separated models to decode: smollm2-135m, llama-3.2-1b")
+    ap.add_argument("--variants", default="",
+                    help=f"also time these variants of the float graph path, comma-separated: {', '.join(VARIANTS)}")
+    ap.add_argument("--no-baseline", action="store_true", help="time only transformers and --variants")
+    ap.add_argument("--no-quantized", action="store_true", help="skip int8 and int4 decode")
     opts = ap.parse_args()
     if opts.report:
         from gpu_report import write_report
@@ -302,11 +375,21 @@ def main() -> None:
               "rounds": opts.rounds, "new_tokens": opts.new_tokens}
     result["floors"] = floors()
     say("floors (GB/s): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in result["floors"].items()))
-    result["decode"] = [] if opts.only == "offload" else run_decode({
-        "SmolLM2-135M float32": (small, torch.float32, [None]),
-        "SmolLM2-135M bfloat16": (small, torch.bfloat16, [None]),
-        "Llama-3.2-1B bfloat16": (big, torch.bfloat16, [None, "int8", "int4"]),
-    }, opts.rounds, opts.new_tokens, say)
+    wanted = set(opts.models.split(","))
+    if not wanted <= {"smollm2-135m", "llama-3.2-1b"}:
+        sys.exit(f"--models {opts.models}: pick from smollm2-135m, llama-3.2-1b")
+    decode_models = {}
+    if "smollm2-135m" in wanted:
+        decode_models["SmolLM2-135M float32"] = (small, torch.float32, [None])
+        decode_models["SmolLM2-135M bfloat16"] = (small, torch.bfloat16, [None])
+    if "llama-3.2-1b" in wanted:
+        decode_models["Llama-3.2-1B bfloat16"] = (big, torch.bfloat16, [None] + ([] if opts.no_quantized
+                                                                                 else ["int8", "int4"]))
+    variants = tuple(v for v in opts.variants.split(",") if v)
+    if not set(variants) <= set(VARIANTS):
+        sys.exit(f"--variants {opts.variants}: pick from {', '.join(VARIANTS)}")
+    result["decode"] = [] if opts.only == "offload" else run_decode(decode_models, opts.rounds, opts.new_tokens, say,
+                                                                    variants, not opts.no_baseline)
     result["offload"] = [] if opts.only == "decode" else [run_offload("SmolLM2-135M", small, torch.float32, 0.3, opts.rounds, min(opts.new_tokens, 64), say),
                          run_offload("Llama-3.2-1B", big, torch.bfloat16, 0.4, opts.rounds, min(opts.new_tokens, 64), say)]
     result["seconds"] = time.perf_counter() - t0

@@ -25,6 +25,9 @@ def _decode_table(run: dict) -> list[str]:
         ref = statistics.median(next(r for r in rows if r["system"] == "transformers")["tok_s"])
         ours = next((r for r in rows if r["system"] == "shardlm"), None)
         for r in rows:
+            if "error" in r:
+                out.append(f"| {model} | {r['system']} | failed: {r['error'][:200]} | | | | | |")
+                continue
             med = statistics.median(r["tok_s"])
             # the transformers row holds the file size; in memory it holds what the unquantized shardlm run does
             weight = ours["weight_bytes"] if r["system"] == "transformers" and ours else r["weight_bytes"]

@@ -8,6 +8,10 @@ its launch message; nothing below reads an environment variable itself. Variable
 - ``SHARDLM_KERNELS``: CPU linear kernels, ``auto`` (default), ``gemv``, ``onednn`` or ``torch``.
 - ``SHARDLM_FUSED``: ``0`` turns the fused CPU decode step off (default on).
 - ``SHARDLM_CUDA_GRAPHS``: ``0`` turns CUDA-graph decode off (default on).
+- ``SHARDLM_CUDA_COMPILE``: ``1`` compiles the CUDA-graph decode step with ``torch.compile`` before it is
+  captured (fewer, fused kernels per replay; tens of seconds of compiling at a new shape); default off.
+- ``SHARDLM_CUDA_JOIN``: ``0`` keeps q/k/v and gate/up as separate products on GPU ranks (default: one
+  product each, runtime/projections.py).
 - ``SHARDLM_OFFLOAD_UNCACHED``: ``1`` evicts streamed layers from the page cache after each use, so
   every step reads the disk (benchmarks of the worst case).
 - ``SHARDLM_COLLECTIVE_TIMEOUT_S``: how long a rank waits for its peers inside a collective, and the
@@ -71,6 +75,10 @@ class Settings:
     """Run CPU decode steps through the fused per-block kernel where it applies."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs where they apply (one GPU, nothing streamed)."""
+    cuda_compile: bool = False
+    """Compile the CUDA-graph decode step with torch.compile before capturing it."""
+    cuda_join: bool = True
+    """On GPU ranks, one product for q/k/v and one for gate/up (runtime/projections.py)."""
     offload_uncached: bool = False
     """Evict streamed layers from the page cache after each use (benchmarks)."""
     collective_timeout_s: float = 300.0
@@ -88,6 +96,8 @@ class Settings:
                                 "pick one")
         values = dict(home=home(env), kernels=kernels, fused=_flag(env, "SHARDLM_FUSED", True),
                       cuda_graphs=_flag(env, "SHARDLM_CUDA_GRAPHS", True),
+                      cuda_compile=_flag(env, "SHARDLM_CUDA_COMPILE", False),
+                      cuda_join=_flag(env, "SHARDLM_CUDA_JOIN", True),
                       offload_uncached=_flag(env, "SHARDLM_OFFLOAD_UNCACHED", False),
                       collective_timeout_s=_seconds(env, "SHARDLM_COLLECTIVE_TIMEOUT_S", 300.0))
         return cls(**{**values, **overrides})

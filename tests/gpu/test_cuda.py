@@ -111,7 +111,10 @@ def test_gpu_quantized_matmul_equals_its_dequantized_weight(kind, out, k, start,
     err = (got - ref).norm() / ref.norm()
     assert err < 1e-2, f"{kind} on CUDA: relative error {err:.2e}"
     cpu_err = (cpu.matmul_t(x).double() - ref).norm() / ref.norm()
-    assert err < cpu_err * 2 + 1e-3, f"CUDA {err:.2e} vs CPU {cpu_err:.2e}"
+    # int4 on CUDA is PyTorch's tinygemm kernel: bf16 weight values and a bf16 output, a few roundings of 2^-9
+    # each (2.45e-3 measured on an H200), while the CPU's int4 kernels compute in float32 (~1e-7)
+    bound = 5e-3 if kind == "int4" else cpu_err * 2 + 1e-3
+    assert err < bound, f"CUDA {err:.2e} vs CPU {cpu_err:.2e}"
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -194,14 +197,17 @@ def test_sampling_draws_the_same_tokens_on_cpu_and_gpu(random_dirs):
     assert out[0] == out[1]
 
 
-@pytest.mark.parametrize("name", ["gqa12x4", "mistral_window", "qwen2"])
-def test_cuda_graph_decode_gives_the_eager_tokens(random_dirs, name):
-    """Graph replays (static shapes: full-length cache under a mask) give eager decode's tokens, and a
-    second call of the same shape reuses the captured graph and its cache."""
+@pytest.mark.parametrize("name,compile", [("gqa12x4", False), ("mistral_window", False), ("qwen2", False),
+                                          ("gqa12x4", True), ("mistral_window", True)])
+def test_cuda_graph_decode_gives_the_eager_tokens(random_dirs, name, compile):
+    """Graph replays (static shapes: full-length cache under a mask; the replay advancing its own inputs
+    where there is no sliding window; compiled or not) give eager decode's tokens, and a second call of
+    the same shape reuses the captured graph and its cache. q/k/v and gate/up run joined on the GPU."""
     folder = random_dirs[name]
-    model = build(folder, device="cuda:0")
+    model = build(folder, device="cuda:0", settings=Settings.from_env(cuda_compile=compile))
     args = model.args
-    assert model.kernels.cuda_graphs and model.graphs is not None
+    assert model.kernels.cuda_graphs and model.graphs is not None and model.kernels.compiled == compile
+    assert model.kernels.joined_layers == args.n_layers
     batch = Batch.from_lists(_prompts(args.vocab_size, [21, 6, 13]))
     graphs, model.graphs = model.graphs, None
     eager = generate(model, batch, 20, SamplingParams(), ())

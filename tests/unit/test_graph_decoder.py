@@ -25,8 +25,11 @@ class _Replay:
 
 @pytest.fixture
 def on_cpu(monkeypatch):
-    def capture(self):
+    def capture(self):  # a real capture records the step without running it: leave the inputs as they were
+        state = [t.clone() for t in (self.tokens, self.positions, self.mask, self.slot)]
         self.logits = self._forward()
+        for t, saved in zip((self.tokens, self.positions, self.mask, self.slot), state):
+            t.copy_(saved)
         self.graph = _Replay(self)
 
     monkeypatch.setattr(cuda_graph.GraphDecoder, "_capture", capture)
@@ -56,3 +59,25 @@ def test_static_decoder_gives_the_eager_tokens_and_reuses_its_cache(tmp_path, on
     assert generate(model, cases[0], 6, SamplingParams(temperature=0.9, seed=2), ()) == sampled_eager
     assert generate(model, cases[0], 1, SamplingParams(), ()) == [t[:1] for t in eager[0]]
     assert len(kept) == 2
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["plain", "compiled"])
+def test_decoder_that_advances_its_own_inputs_gives_the_eager_tokens(tmp_path, on_cpu, compile):
+    # no sliding window: after a call's first step the replay moves mask, positions and slot on itself
+    folder = write_random_checkpoint(PRESETS["debug"], tmp_path / "m", seed=5)
+    model = build(folder, settings=Settings(kernels="torch"))
+    g = torch.Generator().manual_seed(2)
+    batches = [Batch.from_lists([torch.randint(3, 1001, (n,), generator=g).tolist() for n in lengths])
+               for lengths in ([9, 4, 14], [3, 12, 7])]
+    eager = [generate(model, b, 12, SamplingParams(), ()) for b in batches]
+    sampled = generate(model, batches[1], 8, SamplingParams(temperature=0.8, seed=3), ())
+    eos = (eager[0][0][4], eager[0][1][2], eager[0][2][6])  # every row stops early: greedy steps ran ahead
+    stopped = generate(model, batches[0], 12, SamplingParams(), eos)
+    assert max(map(len, stopped)) < 12
+    model.graphs = graphs = cuda_graph.GraphDecoders(model.module, compile=compile)
+    for batch, want in zip(batches, eager):  # the second call reuses the first one's decoder and cache
+        assert generate(model, batch, 12, SamplingParams(), ()) == want
+    (decoder,) = graphs.kept.values()
+    assert decoder.advance and int(decoder.slot) == decoder.cache.offset  # the device slot kept pace
+    assert generate(model, batches[0], 12, SamplingParams(), eos) == stopped
+    assert generate(model, batches[1], 8, SamplingParams(temperature=0.8, seed=3), ()) == sampled

@@ -85,6 +85,10 @@ class Attention(nn.Module):
     started (csrc/prefill_attn.h). Otherwise SDPA."""
 
     prefill_attention: Callable | None = None
+    qkv_weight: torch.Tensor | None = None
+    """q, k and v weights end to end (runtime/projections.py): one product instead of three."""
+    qkv_bias: torch.Tensor | None = None
+    qkv_split: list[int] | None = None
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -108,9 +112,13 @@ class Attention(nn.Module):
         """x (b, s, dim) -> (b, s, dim); mask (b, 1, s, t) is True where a key may be attended."""
         b, s, _ = x.shape
         hd = self.head_dim
-        q = self.q_proj(x).view(b, s, -1, hd).transpose(1, 2)  # (b, hq, s, hd)
-        k = self.k_proj(x).view(b, s, -1, hd).transpose(1, 2)  # (b, hkv, s, hd)
-        v = self.v_proj(x).view(b, s, -1, hd).transpose(1, 2)  # (b, hkv, s, hd)
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_split, dim=-1)  # (b, s, h*hd) each
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, s, -1, hd).transpose(1, 2)  # (b, hq, s, hd)
+        k = k.view(b, s, -1, hd).transpose(1, 2)  # (b, hkv, s, hd)
+        v = v.view(b, s, -1, hd).transpose(1, 2)  # (b, hkv, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)  # (b, hkv, t, hd)
@@ -140,6 +148,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map:
 class MLP(nn.Module):
     """Gated SiLU MLP: down(silu(gate(x)) * up(x))."""
 
+    gate_up_weight: torch.Tensor | None = None
+    """gate and up weights end to end (runtime/projections.py): one product instead of two."""
+    gate_up_bias: torch.Tensor | None = None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=args.mlp_bias)
@@ -148,6 +160,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, s, dim) -> (b, s, dim)."""
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)  # (b, s, inter) each
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

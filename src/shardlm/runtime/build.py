@@ -40,6 +40,7 @@ from shardlm.plan.plan import RankSpec
 from shardlm.quant import quantize_embedding, quantize_linear
 from shardlm.quant_spec import QuantizationError, check_kind, is_quantizable
 from shardlm.runtime.cuda_graph import GraphDecoders
+from shardlm.runtime.projections import join_projections
 from shardlm.runtime.offload import LayerStreamer, OffloadError, OffloadStore, trim_heap
 from shardlm.runtime.rank_model import KernelChoice, LoadStats, RankModel
 from shardlm.settings import Settings
@@ -76,8 +77,9 @@ def build_rank_model(spec: RankSpec, source: ModelSource, ctx: ParallelContext, 
     mark_exact_sums(model, source.family)
     streamer = start_streamer(model, target, extents, vocab, device, spec, settings, offload_io)
     kernels = choose_kernels(model, spec, device, dtype, settings, streamer is not None, mapped)
+    graphs = GraphDecoders(model, kernels.compiled) if kernels.cuda_graphs else None
     rank = RankModel(model, spec, source.args, device, dtype, coord.local_kv_heads(), kernels, streamer,
-                     tuple(sorted(target.streamed)), mapped, GraphDecoders(model) if kernels.cuda_graphs else None,
+                     tuple(sorted(target.streamed)), mapped, graphs,
                      LoadStats(time.perf_counter() - t0, rss))
     log.info("built layers %d-%d in %.2f s: %.1f MiB resident, %d streamed, kernels %s", spec.layers[0],
              spec.layers[1] - 1, rank.stats.load_s, rank.resident_bytes() / 2**20, len(rank.streamed),
@@ -338,9 +340,12 @@ def start_streamer(model: nn.Module, target: OffloadTarget, extents: dict, vocab
 def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype: torch.dtype, settings: Settings,
                    streaming: bool, mapped: frozenset[int]) -> KernelChoice:
     """Pick this rank's kernels once and install them on the model: CPU linear kernels and the fused
-    decode step, or CUDA-graph decode on a one-GPU rank with nothing streamed."""
+    decode step; on a GPU, joined q/k/v and gate/up products (nothing streamed) and CUDA-graph decode on a
+    one-GPU rank."""
     if device.type == "cuda":
-        return KernelChoice("cuda", 0, settings.cuda_graphs and not streaming and spec.tp == 1 and spec.pp == 1)
+        graphs = settings.cuda_graphs and not streaming and spec.tp == 1 and spec.pp == 1
+        joined = join_projections(model) if settings.cuda_join and not streaming else 0
+        return KernelChoice("cuda", 0, graphs, graphs and settings.cuda_compile, joined)
     mode, ext = choose_mode(settings.kernels, settings.kernel_dir)
     install_linears(model, mode, ext, keep=mapped)
     fused = install_fused(model, ext, dtype, fixed=not streaming) if settings.fused and mode == "gemv" else 0

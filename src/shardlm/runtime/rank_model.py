@@ -23,14 +23,20 @@ class KernelChoice:
     """Decoder layers that run a decode step as one fused call (CPU, gemv, plain weights)."""
     cuda_graphs: bool
     """Decode steps replay as CUDA graphs (one GPU, no collectives, nothing streamed)."""
+    compiled: bool = False
+    """The CUDA-graph decode step is torch.compile'd before capture (SHARDLM_CUDA_COMPILE=1)."""
+    joined_layers: int = 0
+    """Layers whose q/k/v and gate/up run as one product each (GPU, runtime/projections.py)."""
 
     def describe(self) -> str:
         """e.g. "gemv, fused decode in 30 layers"."""
         parts = [self.linear]
         if self.fused_layers:
             parts.append(f"fused decode in {self.fused_layers} layers")
+        if self.joined_layers:
+            parts.append(f"q/k/v and gate/up joined in {self.joined_layers} layers")
         if self.cuda_graphs:
-            parts.append("CUDA-graph decode")
+            parts.append("compiled CUDA-graph decode" if self.compiled else "CUDA-graph decode")
         return ", ".join(parts)
 
 

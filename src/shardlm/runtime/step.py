@@ -3,7 +3,8 @@
 The bookkeeping (tokens, masks, positions, sampling) stays in host memory on every device; a GPU
 rank gets each step's inputs copied in and hands back only the sampled tokens (greedy: the argmax
 runs on the GPU) or the last position's logits (sampling draws on the host, so a seed gives the
-same tokens on CPU and GPU ranks).
+same tokens on CPU and GPU ranks). Greedy decode through a CUDA graph that advances its own inputs
+runs a few steps ahead of the host (runtime/cuda_graph.py `run_ahead`).
 """
 
 from __future__ import annotations
@@ -191,17 +192,26 @@ def generate(rank: RankModel, batch: Batch, max_new_tokens: int, params: Samplin
     stats.prefill_s += time.perf_counter() - t0
     stats.prompt_tokens += int(batch.valid.sum())
     t0 = time.perf_counter()
+    token = pick(logits[:, -1], params, gens)  # (b,)
+    # greedy on a graph that advances its own inputs: the GPU runs a few steps ahead of the host
+    ahead = graph.run_ahead(token, max_new_tokens - 1) if graph is not None and graph.ahead and \
+        params.temperature == 0 else None
     while True:
-        token = pick(logits[:, -1], params, gens)  # (b,)
         was_done = outputs.done.clone()
         finished = outputs.record(0, token)
         if on_token is not None:
             on_token(outputs.stream_view(0, token, was_done))
         if finished:
             break
-        logits, mask = graph.step(token) if graph is not None and not graph.failed else (None, rows.next_token())
-        if logits is None:
-            logits = rows.forward(model, token[:, None], mask)
+        if ahead is not None:
+            token = next(ahead)
+        else:
+            logits, mask = graph.step(token) if graph is not None and not graph.failed else (None, rows.next_token())
+            if logits is None:
+                logits = rows.forward(model, token[:, None], mask)
+            token = pick(logits[:, -1], params, gens)  # (b,)
         stats.decode_tokens += b
+    if ahead is not None:
+        ahead.close()
     stats.decode_s += time.perf_counter() - t0
     return outputs.tokens
