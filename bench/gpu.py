@@ -137,6 +137,34 @@ class Shardlm:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / n
 
+    @torch.inference_mode()
+    def kernel_profile(self, n: int = 20, top: int = 25) -> dict | None:
+        """Where a decode step's GPU time goes: torch.profiler's CUDA kernels over n replays of the last captured
+        graph ("replay"; empty where the profiler does not see inside graphs) and over n uncaptured calls of the
+        same step ("step": the kernels one by one, launch gaps excluded), each kernel's microseconds per step."""
+        from torch.profiler import ProfilerActivity, profile
+
+        graphs = self.model.graphs
+        dec = next(reversed(graphs.kept.values()), None) if graphs is not None else None
+        if dec is None or dec.graph is None:
+            return None
+        out = {}
+        for label, run in (("replay", dec.graph.replay), ("step", dec._forward)):
+            dec.slot.fill_(0)  # slots 0..n-1 of its cache, as in replay_ms
+            run()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    run()
+                torch.cuda.synchronize()
+            kernels = [{"name": e.key[:120], "calls_per_step": e.count / n,
+                        "us_per_step": getattr(e, "self_device_time_total", 0) / n}
+                       for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+            kernels.sort(key=lambda k: -k["us_per_step"])
+            out[label] = {"total_us_per_step": sum(k["us_per_step"] for k in kernels),
+                          "kernels_per_step": sum(k["calls_per_step"] for k in kernels), "top": kernels[:top]}
+        return out
+
     def generate(self, ids: list[int], new: int) -> list[int]:
         from shardlm.runtime.protocol import SamplingParams
         from shardlm.runtime.step import Batch, generate
@@ -233,7 +261,7 @@ max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in In
 
 
 def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ...] = (),
-               baseline: bool = True) -> list[dict]:
+               baseline: bool = True, profile: bool = False) -> list[dict]:
     """Each model: shardlm (float, int8, int4 where asked; the named VARIANTS of the float graph path) and
     transformers, alternating per round. Without `baseline`, only transformers and the variants."""
     rows = []
@@ -277,6 +305,12 @@ def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ..
                          "tokens_equal_to_transformers": agree, "tokens": len(ref),
                          "kernels": getattr(system, "kernels", None),
                          "replay_ms": [system.replay_ms() for _ in range(3)] if isinstance(system, Shardlm) else None})
+            if profile and isinstance(system, Shardlm):
+                rows[-1]["kernel_profile"] = prof = system.kernel_profile()
+                for kind, part in (prof or {}).items():
+                    say(f"  {label} {name} {kind}: {part['kernels_per_step']:.0f} kernels, "
+                        f"{part['total_us_per_step']:.0f} us of kernels a step; top: " +
+                        "; ".join(f"{k['name'][:60]} {k['us_per_step']:.0f} us" for k in part["top"][:6]))
             if rows[-1]["replay_ms"] and rows[-1]["replay_ms"][0] is not None:
                 say(f"  {label} {name}: {statistics.median(samples[name]):.1f} tok/s, GPU time of a replay "
                     f"{min(rows[-1]['replay_ms']):.3f} ms")
@@ -344,6 +378,8 @@ def main() -> None:
                     help=f"also time these variants of the float graph path, comma-separated: {', '.join(VARIANTS)}")
     ap.add_argument("--no-baseline", action="store_true", help="time only transformers and --variants")
     ap.add_argument("--no-quantized", action="store_true", help="skip int8 and int4 decode")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the rounds, profile each shardlm graph system's step kernel by kernel (torch.profiler)")
     opts = ap.parse_args()
     if opts.report:
         from gpu_report import write_report
@@ -389,7 +425,7 @@ def main() -> None:
     if not set(variants) <= set(VARIANTS):
         sys.exit(f"--variants {opts.variants}: pick from {', '.join(VARIANTS)}")
     result["decode"] = [] if opts.only == "offload" else run_decode(decode_models, opts.rounds, opts.new_tokens, say,
-                                                                    variants, not opts.no_baseline)
+                                                                    variants, not opts.no_baseline, opts.profile)
     result["offload"] = [] if opts.only == "decode" else [run_offload("SmolLM2-135M", small, torch.float32, 0.3, opts.rounds, min(opts.new_tokens, 64), say),
                          run_offload("Llama-3.2-1B", big, torch.bfloat16, 0.4, opts.rounds, min(opts.new_tokens, 64), say)]
     result["seconds"] = time.perf_counter() - t0
