@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU and a CUDA build of torch: the GPU tests, then bench/gpu.py.
+# On this workplace's lent machines, first run scripts/gpu_wheels.sh here and carry .whl with the call.
 # Logs and the benchmark's JSON go to $OUT (default ./gpu-out). Uses the source tree as is (no install).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then  # what the image lacks, carried as wheels (scripts/gpu_wheels.sh)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)" | tee -a "$OUT/gpu.txt"
 timeout "${TEST_TIMEOUT:-300}" $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu \
     2>&1 | tee "$OUT/tests.log"
 echo "tests exit ${PIPESTATUS[0]}"
-timeout "${BENCH_TIMEOUT:-330}" $PY bench/gpu.py --out "$OUT/gpu.json" --rounds "${ROUNDS:-5}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+# default: the 1B model's decode, the compiled variant beside the default path, and a kernel profile of each
+# (about 2 minutes); BENCH_ARGS=" " runs the whole benchmark (decode of both models, int8/int4, offload: ~8 minutes)
+timeout "${BENCH_TIMEOUT:-330}" $PY bench/gpu.py --out "$OUT/gpu.json" --rounds "${ROUNDS:-3}" \
+    ${BENCH_ARGS:---only decode --models llama-3.2-1b --no-quantized --variants compiled --profile} 2>&1 | tee "$OUT/bench.log"
 echo "bench exit ${PIPESTATUS[0]}"
