@@ -122,7 +122,7 @@ class Shardlm:
     @torch.inference_mode()
     def replay_ms(self, n: int = 50) -> float | None:
         """GPU time of one decode step: n replays of the last captured graph back to back, timed with events
-        (its cache slots 0..n-1 are overwritten; the next generate call starts from an empty cache anyway)."""
+        (its cache slots from 0 on are overwritten; the next generate call starts from an empty cache anyway)."""
         graphs = self.model.graphs
         dec = next(reversed(graphs.kept.values()), None) if graphs is not None else None
         if dec is None or dec.graph is None:
@@ -284,7 +284,9 @@ def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ..
                 decode_rate(built[name], ids, new)  # warm-up at full length: kernels, cuBLAS handles, compiling
             except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' numbers
                 errors[name] = f"{type(e).__name__}: {e}"[:2000]
-                built.pop(name, None)
+                failed = built.pop(name, None)
+                if failed is not None:
+                    failed.close()
                 say(f"  {label} {name} failed: {errors[name][:300]}")
                 continue
             say(f"  {label} {name} ready in {time.perf_counter() - t0:.0f} s"
@@ -298,7 +300,7 @@ def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ..
                 samples[name].append(rate)
             say(f"  {label} round {r + 1}: " + ", ".join(f"{n} {samples[n][-1]:.1f}" for n in built))
         for name, system in built.items():
-            ref = tokens["transformers"]
+            ref = tokens.get("transformers", tokens[name])  # itself where transformers failed
             agree = next((k for k, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
             rows.append({"model": label, "system": name, "tok_s": samples[name],
                          "weight_bytes": system.resident if isinstance(system, Shardlm) else weight_bytes(folder),

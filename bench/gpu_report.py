@@ -22,7 +22,8 @@ def _decode_table(run: dict) -> list[str]:
     for row in run["decode"]:
         by_model.setdefault(row["model"], []).append(row)
     for model, rows in by_model.items():
-        ref = statistics.median(next(r for r in rows if r["system"] == "transformers")["tok_s"])
+        peer = next((r for r in rows if r["system"] == "transformers" and "error" not in r), None)
+        ref = statistics.median(peer["tok_s"]) if peer else float("nan")
         ours = next((r for r in rows if r["system"] == "shardlm"), None)
         for r in rows:
             if "error" in r:

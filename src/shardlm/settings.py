@@ -8,8 +8,9 @@ its launch message; nothing below reads an environment variable itself. Variable
 - ``SHARDLM_KERNELS``: CPU linear kernels, ``auto`` (default), ``gemv``, ``onednn`` or ``torch``.
 - ``SHARDLM_FUSED``: ``0`` turns the fused CPU decode step off (default on).
 - ``SHARDLM_CUDA_GRAPHS``: ``0`` turns CUDA-graph decode off (default on).
-- ``SHARDLM_CUDA_COMPILE``: ``1`` compiles the CUDA-graph decode step with ``torch.compile`` before it is
-  captured (fewer, fused kernels per replay; tens of seconds of compiling at a new shape); default off.
+- ``SHARDLM_CUDA_COMPILE``: ``1`` compiles ``runtime.step.generate``'s CUDA-graph decode step with
+  ``torch.compile`` before it is captured (fewer, fused kernels per replay; tens of seconds of compiling at a
+  new shape); default off. The engine's captured steps (runtime/slot_graphs.py) are not compiled.
 - ``SHARDLM_CUDA_JOIN``: ``0`` keeps q/k/v and gate/up as separate products on GPU ranks (default: one
   product each, runtime/projections.py).
 - ``SHARDLM_OFFLOAD_UNCACHED``: ``1`` evicts streamed layers from the page cache after each use, so

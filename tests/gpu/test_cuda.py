@@ -185,6 +185,23 @@ def test_engine_runs_cuda_ranks_end_to_end(random_dirs):
         assert all(r["device"].startswith("cuda") and r["peak_gpu_bytes"] > 0 for r in ready)
 
 
+@pytest.mark.parametrize("name", ["gqa12x4", "mistral_window"])
+def test_engine_decode_replayed_as_cuda_graphs_gives_the_eager_tokens(random_dirs, name):
+    """The engine's decode steps on one GPU replay CUDA graphs (runtime/slot_graphs.py): rows of different lengths,
+    each batch's tokens equal to the eager engine's (SHARDLM_CUDA_GRAPHS=0) and to transformers'."""
+    from shardlm.engine import LocalEngine
+
+    folder = random_dirs[name]
+    prompts = _prompts(1001, [19, 4, 11, 7, 30])
+    _, ref_tokens = hf_logits_and_tokens(hf_model(folder), prompts, 24)
+    got = {}
+    for graphs in (True, False):
+        plan, source = plan_for(folder, device="cuda")
+        with LocalEngine(plan, source, settings=Settings.from_env(cuda_graphs=graphs), timeout_s=300) as engine:
+            got[graphs] = engine.generate(prompts, 24, SamplingParams(), ignore_eos=True).token_ids
+    assert got[True] == got[False] == ref_tokens
+
+
 def test_sampling_draws_the_same_tokens_on_cpu_and_gpu(random_dirs):
     """Sampling runs on the host with the rows' generators, so a seed means the same tokens anywhere."""
     folder = random_dirs["gqa12x4"]

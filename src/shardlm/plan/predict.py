@@ -118,10 +118,18 @@ def _rate(dev: Device, active: int, cluster: Cluster, eager: bool = False) -> Ra
                 s.flops * FLOPS_EFFICIENCY.get(s.kind, 1.0) / share, overhead * waves)
 
 
+ENGINE_CUDA_GRAPHS = False
+"""Whether plans predict the engine's decode steps (runtime/serve_step.py, behind `shardlm generate` and `serve`)
+at the CUDA-graph replay cost. The engine captures them on one-GPU ranks (runtime/slot_graphs.py, written
+2026-11-26), but that path has not run on a GPU yet; until it is measured, plans are predicted with the eager
+cost per layer (the 75 us figure comes from runtime/step.generate's graphs, runtime/cuda_graph.py)."""
+
+
 def graphs_apply(st: Setting, layout: ParallelLayout) -> bool:
-    """Whether the runtime replays decode steps as CUDA graphs in this layout: one GPU per model
-    copy (no tensor or pipeline parallelism) and no streamed layers (runtime/cuda_graph.py)."""
-    return layout.tp == 1 and layout.pp == 1 and st.offload.tier == "none"
+    """Whether the engine replays decode steps as CUDA graphs in this layout: it would take one GPU per model
+    copy (no tensor or pipeline parallelism) and no streamed layers, and the engine capturing its steps at all
+    (ENGINE_CUDA_GRAPHS, not yet)."""
+    return ENGINE_CUDA_GRAPHS and layout.tp == 1 and layout.pp == 1 and st.offload.tier == "none"
 
 
 def _active_counts(layout: ParallelLayout, devs: dict[str, Device], m: int) -> dict[tuple[int, int], int]:
@@ -238,8 +246,10 @@ def assumptions(st: Setting, layout: ParallelLayout, devs: dict[str, Device]) ->
                    f"{spec.runtime_bytes / 2**20:.0f} MiB runtime ({spec.source})")
     kinds = {devs[c.device].spec.kind for c in layout.coords()}
     if "cuda" in kinds:
+        why = ("the engine's CUDA-graph decode is not measured on a GPU yet" if not ENGINE_CUDA_GRAPHS else
+               "no CUDA graphs with tp/pp or streamed layers")
         mode = ("decode steps replayed as CUDA graphs (one GPU, nothing streamed)" if graphs_apply(st, layout) else
-                f"kernels issued by the host (no CUDA graphs with tp/pp or streamed layers): at least "
+                f"kernels issued by the host ({why}): at least "
                 f"{CUDA_EAGER_LAYER_OVERHEAD_S * 1e6:.0f} us per layer, measured on one H100 machine's host")
         out.append(f"GPU kernels reach {BANDWIDTH_EFFICIENCY['cuda']:.0%} of memory bandwidth in decode and "
                    f"{FLOPS_EFFICIENCY['cuda']:.0%} of peak FLOP/s in prefill; {mode}")

@@ -345,6 +345,8 @@ def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype
     if device.type == "cuda":
         graphs = settings.cuda_graphs and not streaming and spec.tp == 1 and spec.pp == 1
         joined = join_projections(model) if settings.cuda_join and not streaming else 0
+        if joined:
+            torch.cuda.empty_cache()  # the separate weights the joined tensors replaced
         return KernelChoice("cuda", 0, graphs, graphs and settings.cuda_compile, joined)
     mode, ext = choose_mode(settings.kernels, settings.kernel_dir)
     install_linears(model, mode, ext, keep=mapped)

@@ -71,6 +71,16 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
     return logits
 
 
+def allow_recompiles(n: int) -> None:
+    """Let dynamo compile decode_step for up to `n` shapes (batch size, cache bucket) before it runs the step
+    uncompiled; its default (8) counts across every decoder and model of the process. A process setting."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), n))
+
+
 def compile_mode(model: nn.Module) -> str | None:
     """Inductor's mode for the decode step: on a GPU its GEMM autotuning and coordinate-descent tuning of the
     fused kernels, without Inductor's own CUDA graphs (the step is captured here). On an H200 a Llama-3.2-1B
@@ -85,6 +95,8 @@ class GraphDecoders:
     def __init__(self, model: nn.Module, compile: bool = False):
         self.model = model
         self.kept: OrderedDict[tuple, GraphDecoder] = OrderedDict()
+        if compile:
+            allow_recompiles(64)
         self.step_fn = torch.compile(decode_step, dynamic=False, mode=compile_mode(model)) if compile else decode_step
         """What each decoder captures: decode_step, compiled once here (a new shape recompiles it)."""
 
@@ -140,10 +152,12 @@ class GraphDecoder:
         state = [t.clone() for t in (self.tokens, self.positions, self.mask, self.slot)]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up off the capture: lazy inits, cuBLAS workspaces, compiling
-            for _ in range(2):
-                self._forward()  # writes this step's key/value at its slot: the replay writes the same
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        try:
+            with torch.cuda.stream(side):  # warm-up off the capture: lazy inits, cuBLAS workspaces, compiling
+                for _ in range(2):
+                    self._forward()  # writes this step's key/value at its slot: the replay writes the same
+        finally:  # also when the warm-up fails: the eager fallback must not race the side stream's writes
+            torch.cuda.current_stream(self.device).wait_stream(side)
         for t, saved in zip((self.tokens, self.positions, self.mask, self.slot), state):
             t.copy_(saved)  # undo the warm-up's advances (its second slot stays masked until written)
         graph = torch.cuda.CUDAGraph()
@@ -186,8 +200,8 @@ class GraphDecoder:
         """Greedy decode from `token` (b,): yields each step's tokens (b,) on the host, for at most `limit`
         steps. Each replay feeds itself the previous one's argmax on the device, so the host only reads
         tokens back, `ahead` steps behind the GPU, and never stalls it between steps. When the caller stops
-        early (a row reached EOS), the steps already queued were run for nothing (at most `ahead`); their
-        cache slots lie past the call's end and are overwritten by the next call."""
+        early (every row has finished: EOS or its length), the steps already queued were run for nothing (at
+        most `ahead`); their cache slots lie past the call's end and are overwritten by the next call."""
         cuda = self.device.type == "cuda"
         b = self.tokens.shape[0]
         host = torch.empty(self.ahead + 1, b, dtype=torch.long, pin_memory=cuda)  # a ring of read-back rows
@@ -206,7 +220,7 @@ class GraphDecoder:
             row.copy_(self.tokens[:, 0], non_blocking=cuda)
             event = torch.cuda.Event() if cuda else None
             if event is not None:
-                event.record()
+                event.record(torch.cuda.current_stream(self.device))
             queued.append((row, event))
             if len(queued) > self.ahead:
                 yield _read(*queued.pop(0))

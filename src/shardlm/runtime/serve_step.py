@@ -2,7 +2,8 @@
 
 Every rank of the plan runs the same Step (the driver hands it to each). Work items run in order: the
 prefill chunks, several slots per forward pass (right-padded to one width, see `prefill_groups`), then
-the decode rows as micro-batches (one group without pipeline stages). With stages, stage 0 embeds an
+the decode rows as micro-batches (one group without pipeline stages; a CUDA graph replay on a one-GPU rank,
+runtime/slot_graphs.py). With stages, stage 0 embeds an
 item, runs its layers and sends the hidden states on without waiting, so the stages work on different
 items at the same time; the last stage samples. Rows sample with their own request's settings and
 random stream (seeded when the request took its slot), so a request's tokens do not depend on the rows
@@ -19,6 +20,7 @@ import torch
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.stages import micro_batch_rows
 from shardlm.runtime.rank_model import RankModel
+from shardlm.runtime.slot_graphs import SlotGraphs
 from shardlm.runtime.slots import SlotCache, SlotRun
 from shardlm.runtime.step import pick
 from shardlm.runtime.work import Decode, Prefill, Sampled, Step, StepResult
@@ -124,6 +126,9 @@ class SlotRunner:
         self.first, self.last = spec.first_stage, spec.last_stage
         self.micro_batches = spec.micro_batches
         self.clock = StepClock()
+        self.graphs = SlotGraphs(rank.module, self.cache, self.window) \
+            if rank.kernels.cuda_graphs and rank.device.type == "cuda" else None
+        """Decode steps as CUDA graph replays on a one-GPU rank (runtime/slot_graphs.py)."""
 
     @property
     def reports(self) -> bool:
@@ -140,7 +145,9 @@ class SlotRunner:
         out: dict[int, Sampled] = {}
         try:
             for item in self._items(step):
-                logits = self._forward(item)
+                logits = self._replayed(item)
+                if logits is None:
+                    logits = self._forward(item)
                 if logits is not None:
                     out.update(self._sample(item, logits))
         finally:
@@ -160,6 +167,14 @@ class SlotRunner:
                                decode_mask(pos, self.window), self.cache.decode([d.slot for d in part], pos), part,
                                False))
         return items
+
+    def _replayed(self, item: _Item) -> torch.Tensor | None:
+        """A decode item's logits (b, 1, vocab) from a CUDA graph replay (runtime/slot_graphs.py), or None: not a
+        decode item, no graphs on this rank, or capturing failed (the item then runs eagerly)."""
+        if self.graphs is None or not item.work or not isinstance(item.work[0], Decode):
+            return None
+        return self.graphs.logits([d.slot for d in item.work], item.positions[:, 0].tolist(),
+                                  item.tokens[:, 0].tolist())
 
     def _token(self, d: Decode) -> int:
         """The token a decode row feeds: its own, or the slot's last sample (held here for pipelined steps)."""

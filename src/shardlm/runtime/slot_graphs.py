@@ -1,0 +1,130 @@
+"""The serving engine's decode steps on one GPU as CUDA graph replays.
+
+An eager decode step of a GPU rank is bound by the host issuing a few hundred small kernels (bench/RESULTS.md:
+125-134 tok/s for Llama-3.2-1B on an H200, against 544 replayed). A graph replays fixed kernels on fixed
+buffers, so a step of the engine is made shape-static here:
+
+- rows: the first `rows` slots of the cache, `rows` a power of two (or all slots) covering every slot that
+  decodes this step. Row i is slot i, so a row attends over its own slot without gathering it. Slots that do not
+  decode this step ride along as idle rows: token 0, position max_len - 1. An idle row's key and value land in
+  the last position of its own slot, which no query reads before its own token writes it (a query at p reads
+  keys <= p, written in the same pass), so an idle row never changes what a live request sees;
+- length: each row attends over the first `length` positions of its slot (max position + 1 rounded up to
+  BUCKET), under a mask built inside the graph from the positions (and the sliding window);
+- inputs are copied into fixed device buffers before each replay; logits come out in a fixed buffer.
+
+One graph per (rows, length), captured when first needed and kept (at most KEEP, least recently used first out),
+all in one memory pool (replays never overlap). A capture that fails leaves the engine decoding eagerly.
+Used on one-GPU ranks (no collectives, nothing streamed: runtime/build.py `choose_kernels`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from shardlm.runtime.cuda_graph import BUCKET
+from shardlm.runtime.slots import SlotCache
+
+log = logging.getLogger(__name__)
+
+KEEP = 32
+"""Captured (rows, length) shapes kept per rank."""
+
+
+class GraphRun:
+    """The cache as a captured decode step sees it (the model's Cache protocol): rows [0, rows) of the slots,
+    one new token each at its position, keys and values over the first `length` positions."""
+
+    def __init__(self, cache: SlotCache, rows: torch.Tensor, positions: torch.Tensor, length: int):
+        self.cache, self.rows, self.positions, self.length = cache, rows, positions, length
+
+    def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (b, h, 1, hd) at each row's position of its slot; return (b, h, length, hd) views."""
+        kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]  # (slots, h, max_len, hd)
+        b = k.shape[0]
+        kc[self.rows, :, self.positions] = k[:, :, 0]  # (b, h, hd) at (row, position) pairs
+        vc[self.rows, :, self.positions] = v[:, :, 0]
+        return kc[:b, :, :self.length], vc[:b, :, :self.length]
+
+
+class SlotGraphs:
+    """Captured decode steps of one serving rank (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, cache: SlotCache, window: int | None):
+        self.model, self.cache, self.window = model, cache, window
+        n, dev = cache.slots, cache.device
+        self.tokens = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        self.rows = torch.arange(n, device=dev)
+        self.keys = torch.arange(cache.max_len, device=dev)
+        self.kept: OrderedDict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = OrderedDict()
+        self.pool = None
+        self.failed = False
+        """A capture failed: the rank decodes eagerly from then on."""
+
+    def shape(self, slots: list[int], positions: list[int]) -> tuple[int, int]:
+        """(rows, length) of the graph that serves these decode rows."""
+        top = max(slots) + 1
+        rows = min(self.cache.slots, 1 << (top - 1).bit_length())
+        length = min(self.cache.max_len, -(-(max(positions) + 1) // BUCKET) * BUCKET)
+        return rows, length
+
+    def _forward(self, rows: int, length: int) -> torch.Tensor:
+        """The captured step: logits (rows, 1, vocab) float32."""
+        positions = self.positions[:rows]  # (rows, 1)
+        keys = self.keys[:length]
+        mask = keys[None, :] <= positions  # (rows, length): a row sees its slot's keys up to its position
+        if self.window is not None:
+            mask = mask & (keys[None, :] > positions - self.window)
+        run = GraphRun(self.cache, self.rows[:rows], positions[:, 0], length)
+        return self.model(self.tokens[:rows], positions, mask[:, None, None, :], run, last_only=True)
+
+    def _capture(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        dev = self.cache.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        try:
+            with torch.cuda.stream(side):  # warm-up off the capture; it writes what the replay writes
+                for _ in range(2):
+                    self._forward(rows, length)
+        finally:
+            torch.cuda.current_stream(dev).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(rows, length)
+        return graph, logits
+
+    def logits(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor | None:
+        """Logits (b, 1, vocab) float32 of decode rows (slot, position, token fed), in their order; None when
+        capturing failed (the caller runs the step eagerly)."""
+        if self.failed:
+            return None
+        rows, length = self.shape(slots, positions)
+        feed = torch.zeros(rows, 1, dtype=torch.long)
+        at = torch.full((rows, 1), self.cache.max_len - 1, dtype=torch.long)  # idle rows: their slot's last position
+        feed[slots, 0] = torch.tensor(tokens, dtype=torch.long)
+        at[slots, 0] = torch.tensor(positions, dtype=torch.long)
+        self.tokens[:rows].copy_(feed, non_blocking=True)
+        self.positions[:rows].copy_(at, non_blocking=True)
+        key = (rows, length)
+        got = self.kept.pop(key, None)
+        if got is None:
+            while len(self.kept) >= KEEP:
+                self.kept.popitem(last=False)
+            try:
+                got = self._capture(rows, length)
+            except Exception as e:  # noqa: BLE001 - eager decode still works; say why once
+                log.warning("CUDA graph capture of a serving step failed (%s: %s); decoding eagerly",
+                            type(e).__name__, e)
+                self.failed = True
+                return None
+        self.kept[key] = got
+        graph, logits = got
+        graph.replay()
+        return logits[torch.tensor(slots, device=logits.device)]  # (b, 1, vocab)
