@@ -181,6 +181,31 @@ class Shardlm:
         torch.cuda.empty_cache()
 
 
+class EngineSystem:
+    """The engine on one GPU, as `shardlm generate` and `serve` run it: a rank process, the engine's steps
+    (runtime/serve_step.py), decode replayed as CUDA graphs (runtime/slot_graphs.py) unless `graphs` is off."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype, graphs: bool = True):
+        from shardlm.engine import LocalEngine
+        from shardlm.engine.session import plan_run
+        from shardlm.plan.plan import KVBudget
+        from shardlm.plan.run import RunFlags
+        from shardlm.settings import Settings
+
+        flags = RunFlags(dtype=str(dtype).removeprefix("torch."), device="cuda")
+        plan, source = plan_run(str(folder), flags, kv=KVBudget(1, 1024, 512))
+        self.engine = LocalEngine(plan, source, settings=Settings.from_env(cuda_graphs=graphs), timeout_s=600).start()
+        self.kernels = "engine, " + ("CUDA-graph decode" if graphs else "eager decode")
+
+    def generate(self, ids: list[int], new: int) -> list[int]:
+        from shardlm.runtime.protocol import SamplingParams
+
+        return self.engine.generate([ids], new, SamplingParams(), ignore_eos=True).token_ids[0]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 class Transformers:
     """transformers on cuda:0 (its default attention), greedy generate."""
 
@@ -252,12 +277,15 @@ VARIANTS = {
     "unjoined": lambda f, d: Shardlm(f, d, join=False),
     "compiled": lambda f, d: Shardlm(f, d, compile=True),
     "compiled-default-mode": lambda f, d: Shardlm(f, d, compile=True, compile_mode="default"),
+    "engine": lambda f, d: EngineSystem(f, d),
+    "engine-eager": lambda f, d: EngineSystem(f, d, graphs=False),
 }
 """The float graph path's variants (--variants NAME,...): host-inputs, the host building every step's mask,
 positions and slot and reading each token before the next replay (the path before 2026-11-26); step-by-step, the
 replay advancing its own inputs but the host still reading each token before the next replay; unjoined, q/k/v
 and gate/up as separate products; compiled, the step compiled before capture (SHARDLM_CUDA_COMPILE=1: Inductor's
-max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode."""
+max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode; engine and
+engine-eager, the engine's path (`shardlm generate` and `serve`: a rank process) with and without its CUDA graphs."""
 
 
 def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ...] = (),
