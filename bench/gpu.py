@@ -119,13 +119,18 @@ class Shardlm:
         self.resident = self.model.resident_bytes()
         self.streamed_per_token = self.model.streamed_bytes_per_step()
 
+    def _last_captured(self):
+        """The GraphDecoder of the last generate call, or None (no graphs, or its capture failed)."""
+        graphs = self.model.graphs
+        dec = next(reversed(graphs.kept.values()), None) if graphs is not None else None
+        return dec if dec is not None and dec.graph is not None else None
+
     @torch.inference_mode()
     def replay_ms(self, n: int = 50) -> float | None:
         """GPU time of one decode step: n replays of the last captured graph back to back, timed with events
         (its cache slots from 0 on are overwritten; the next generate call starts from an empty cache anyway)."""
-        graphs = self.model.graphs
-        dec = next(reversed(graphs.kept.values()), None) if graphs is not None else None
-        if dec is None or dec.graph is None:
+        dec = self._last_captured()
+        if dec is None:
             return None
         dec.slot.fill_(0)
         torch.cuda.synchronize()
@@ -144,9 +149,8 @@ class Shardlm:
         same step ("step": the kernels one by one, launch gaps excluded), each kernel's microseconds per step."""
         from torch.profiler import ProfilerActivity, profile
 
-        graphs = self.model.graphs
-        dec = next(reversed(graphs.kept.values()), None) if graphs is not None else None
-        if dec is None or dec.graph is None:
+        dec = self._last_captured()
+        if dec is None:
             return None
         out = {}
         for label, run in (("replay", dec.graph.replay), ("step", dec._forward)):
@@ -317,8 +321,8 @@ def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ..
                     failed.close()
                 say(f"  {label} {name} failed: {errors[name][:300]}")
                 continue
-            say(f"  {label} {name} ready in {time.perf_counter() - t0:.0f} s"
-                f"{' (' + built[name].kernels + ')' if isinstance(built[name], Shardlm) else ''}")
+            kernels = getattr(built[name], "kernels", None)
+            say(f"  {label} {name} ready in {time.perf_counter() - t0:.0f} s{f' ({kernels})' if kernels else ''}")
         samples = {name: [] for name in built}
         tokens = {}
         for r in range(rounds):
@@ -393,6 +397,24 @@ def run_offload(label: str, folder: Path, dtype: torch.dtype, fraction: float, r
     return out
 
 
+def decode_choice(opts, small: Path, big: Path) -> tuple[dict, tuple[str, ...]]:
+    """The decode runs --models, --no-quantized and --variants ask for: ({label: (folder, dtype, quantizations)},
+    variant names); exits with the accepted names on a wrong one."""
+    wanted = set(opts.models.split(","))
+    if not wanted <= {"smollm2-135m", "llama-3.2-1b"}:
+        sys.exit(f"--models {opts.models}: pick from smollm2-135m, llama-3.2-1b")
+    models = {}
+    if "smollm2-135m" in wanted:
+        models["SmolLM2-135M float32"] = (small, torch.float32, [None])
+        models["SmolLM2-135M bfloat16"] = (small, torch.bfloat16, [None])
+    if "llama-3.2-1b" in wanted:
+        models["Llama-3.2-1B bfloat16"] = (big, torch.bfloat16, [None] + ([] if opts.no_quantized else ["int8", "int4"]))
+    variants = tuple(v for v in opts.variants.split(",") if v)
+    if not set(variants) <= set(VARIANTS):
+        sys.exit(f"--variants {opts.variants}: pick from {', '.join(VARIANTS)}")
+    return models, variants
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the measurements to this JSON file")
@@ -441,20 +463,8 @@ def main() -> None:
               "rounds": opts.rounds, "new_tokens": opts.new_tokens}
     result["floors"] = floors()
     say("floors (GB/s): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in result["floors"].items()))
-    wanted = set(opts.models.split(","))
-    if not wanted <= {"smollm2-135m", "llama-3.2-1b"}:
-        sys.exit(f"--models {opts.models}: pick from smollm2-135m, llama-3.2-1b")
-    decode_models = {}
-    if "smollm2-135m" in wanted:
-        decode_models["SmolLM2-135M float32"] = (small, torch.float32, [None])
-        decode_models["SmolLM2-135M bfloat16"] = (small, torch.bfloat16, [None])
-    if "llama-3.2-1b" in wanted:
-        decode_models["Llama-3.2-1B bfloat16"] = (big, torch.bfloat16, [None] + ([] if opts.no_quantized
-                                                                                 else ["int8", "int4"]))
-    variants = tuple(v for v in opts.variants.split(",") if v)
-    if not set(variants) <= set(VARIANTS):
-        sys.exit(f"--variants {opts.variants}: pick from {', '.join(VARIANTS)}")
-    result["decode"] = [] if opts.only == "offload" else run_decode(decode_models, opts.rounds, opts.new_tokens, say,
+    models, variants = decode_choice(opts, small, big)
+    result["decode"] = [] if opts.only == "offload" else run_decode(models, opts.rounds, opts.new_tokens, say,
                                                                     variants, not opts.no_baseline, opts.profile)
     result["offload"] = [] if opts.only == "decode" else [run_offload("SmolLM2-135M", small, torch.float32, 0.3, opts.rounds, min(opts.new_tokens, 64), say),
                          run_offload("Llama-3.2-1B", big, torch.bfloat16, 0.4, opts.rounds, min(opts.new_tokens, 64), say)]

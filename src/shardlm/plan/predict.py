@@ -125,11 +125,16 @@ at the CUDA-graph replay cost. The engine captures them on one-GPU ranks (runtim
 cost per layer (the 75 us figure comes from runtime/step.generate's graphs, runtime/cuda_graph.py)."""
 
 
+def graphs_possible(st: Setting, layout: ParallelLayout) -> bool:
+    """Whether the engine captures decode steps in this layout: one GPU per model copy (no tensor or pipeline
+    parallelism) and no streamed layers."""
+    return layout.tp == 1 and layout.pp == 1 and st.offload.tier == "none"
+
+
 def graphs_apply(st: Setting, layout: ParallelLayout) -> bool:
-    """Whether the engine replays decode steps as CUDA graphs in this layout: it would take one GPU per model
-    copy (no tensor or pipeline parallelism) and no streamed layers, and the engine capturing its steps at all
-    (ENGINE_CUDA_GRAPHS, not yet)."""
-    return ENGINE_CUDA_GRAPHS and layout.tp == 1 and layout.pp == 1 and st.offload.tier == "none"
+    """Whether plans predict this layout's decode at the CUDA-graph replay cost: the engine captures its steps
+    here (`graphs_possible`) and that path is measured (ENGINE_CUDA_GRAPHS)."""
+    return ENGINE_CUDA_GRAPHS and graphs_possible(st, layout)
 
 
 def _active_counts(layout: ParallelLayout, devs: dict[str, Device], m: int) -> dict[tuple[int, int], int]:
@@ -246,7 +251,7 @@ def assumptions(st: Setting, layout: ParallelLayout, devs: dict[str, Device]) ->
                    f"{spec.runtime_bytes / 2**20:.0f} MiB runtime ({spec.source})")
     kinds = {devs[c.device].spec.kind for c in layout.coords()}
     if "cuda" in kinds:
-        why = ("the engine's CUDA-graph decode is not measured on a GPU yet" if not ENGINE_CUDA_GRAPHS else
+        why = ("the engine's CUDA-graph decode is not measured on a GPU yet" if graphs_possible(st, layout) else
                "no CUDA graphs with tp/pp or streamed layers")
         mode = ("decode steps replayed as CUDA graphs (one GPU, nothing streamed)" if graphs_apply(st, layout) else
                 f"kernels issued by the host ({why}): at least "

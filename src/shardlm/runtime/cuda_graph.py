@@ -89,6 +89,19 @@ def compile_mode(model: nn.Module) -> str | None:
     return "max-autotune-no-cudagraphs" if first is not None and first.is_cuda else None
 
 
+def warm_up(fn, device: torch.device, times: int = 2) -> None:
+    """Run `fn` `times` on a side stream before it is captured (lazy inits, cuBLAS workspaces, compiling); the
+    current stream waits for it, also when it fails, so an eager fallback cannot race its writes."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(times):
+                fn()
+    finally:
+        torch.cuda.current_stream(device).wait_stream(side)
+
+
 class GraphDecoders:
     """The captured decode steps of one rank's model, by cache shape, most recently used last."""
 
@@ -150,14 +163,7 @@ class GraphDecoder:
 
     def _capture(self) -> None:
         state = [t.clone() for t in (self.tokens, self.positions, self.mask, self.slot)]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(side):  # warm-up off the capture: lazy inits, cuBLAS workspaces, compiling
-                for _ in range(2):
-                    self._forward()  # writes this step's key/value at its slot: the replay writes the same
-        finally:  # also when the warm-up fails: the eager fallback must not race the side stream's writes
-            torch.cuda.current_stream(self.device).wait_stream(side)
+        warm_up(self._forward, self.device)  # writes this step's key/value at its slot: the replay writes the same
         for t, saved in zip((self.tokens, self.positions, self.mask, self.slot), state):
             t.copy_(saved)  # undo the warm-up's advances (its second slot stays masked until written)
         graph = torch.cuda.CUDAGraph()

@@ -26,7 +26,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from shardlm.runtime.cuda_graph import BUCKET
+from shardlm.runtime.cuda_graph import BUCKET, warm_up
 from shardlm.runtime.slots import SlotCache
 
 log = logging.getLogger(__name__)
@@ -84,15 +84,7 @@ class SlotGraphs:
         return self.model(self.tokens[:rows], positions, mask[:, None, None, :], run, last_only=True)
 
     def _capture(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        dev = self.cache.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        try:
-            with torch.cuda.stream(side):  # warm-up off the capture; it writes what the replay writes
-                for _ in range(2):
-                    self._forward(rows, length)
-        finally:
-            torch.cuda.current_stream(dev).wait_stream(side)
+        warm_up(lambda: self._forward(rows, length), self.cache.device)  # writes what the replay writes
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
