@@ -2,7 +2,7 @@
 build names its instructions, and the int4 row tiles give the native build's numbers bit for bit (one
 arithmetic on every build, q4tiles.h), for decode and prefill row counts, split and whole; prefill panels equal
 wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512) and prefill
-attention (8- or 16-lane tiles) equal wherever the CPU has FMA."""
+attention (8- or 16-lane tiles), and the fused decode blocks, equal wherever the CPU has FMA."""
 
 from __future__ import annotations
 
@@ -92,12 +92,11 @@ def _decode_inputs(dt, g):
 
 
 @pytest.mark.parametrize("arch", list(TARGETS))
-def test_an_older_build_gives_the_native_exp_results(arch, native, tmp_path_factory):
-    """The MLP's silu and prefill attention's softmax take e^x sixteen lanes at a time on AVX-512 builds and eight
-    on others, one arithmetic in every lane: the MLP's output and prefill attention over rows of 45 keys (runs of
-    16, of 8, and a tail; one row with masked keys inside its range) equal wherever the CPU has FMA. Decode
-    attention's float32 output may differ in its last bit between builds (it did before e^x took 16 lanes too), so
-    it is held to 1e-6 here; tests/unit/test_kernels.py checks its lanes within one build."""
+def test_an_older_build_gives_the_native_decode_blocks(arch, native, tmp_path_factory):
+    """The MLP's silu and the softmaxes take e^x sixteen lanes at a time on AVX-512 builds and eight on others, one
+    arithmetic in every lane, and the blocks' norms sum their squares in eight lanes on every build: a fused decode
+    block (attention and MLP, cache writes included) and prefill attention over rows of 45 keys (runs of 16, of 8,
+    and a tail; one row with masked keys inside its range) equal wherever the CPU has FMA."""
     units, needs = TARGETS[arch]
     if not needs <= build.cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
@@ -106,9 +105,9 @@ def test_an_older_build_gives_the_native_exp_results(arch, native, tmp_path_fact
     g = torch.Generator().manual_seed(12)
     for dt in (torch.float32, torch.bfloat16):
         x, ln, ws, cos, sin, kc, vc, rows, pos, kv_map, mask = _decode_inputs(dt, g)
-        got, want = ((e.attn_decode(x, ln, 1e-5, ws, None, None, None, None, cos, sin, kc.clone(), vc.clone(), rows,
-                                    pos, kv_map, mask, None, True, None)) for e in (ext, native))
-        torch.testing.assert_close(got.float(), want.float(), rtol=1e-6 if dt == torch.float32 else 1e-2, atol=1e-6)
+        caches = [(kc.clone(), vc.clone()) for _ in range(2)]
+        got, want = (e.attn_decode(x, ln, 1e-5, ws, None, None, None, None, cos, sin, *c, rows, pos, kv_map, mask,
+                                   None, True, None) for e, c in zip((ext, native), caches))
         inter = 45  # two runs of 16, one of 8, a tail of 5 per row
         wg, wu = (torch.randn(inter, 48, generator=g).to(dt) for _ in range(2))
         wd = torch.randn(48, inter, generator=g).to(dt)
@@ -118,6 +117,8 @@ def test_an_older_build_gives_the_native_exp_results(arch, native, tmp_path_fact
         causal[1, :, :, 30] = False  # keys masked inside the later rows' ranges
         attn = [e.prefill_attention(q, k, v, kv_map, causal) for e in (ext, native)]
         if "fma" in needs:
+            assert torch.equal(got, want) and torch.equal(caches[0][0], caches[1][0]), dt
             assert torch.equal(*mlp) and torch.equal(*attn), dt
         else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-4)
             torch.testing.assert_close(mlp[0].float(), mlp[1].float(), rtol=1e-2, atol=1e-4)

@@ -26,15 +26,6 @@ inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_float
 template <>
 inline float load<int8_t>(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 
-// sum_i w[i] * x[i] over k elements, accumulated in float32.
-template <typename W>
-inline float dot(const W* w, const float* x, int64_t k) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < k; ++i) acc += load<W>(w, i) * x[i];
-  return acc;
-}
-
 // Eight lanes of float32 (GCC/Clang vector extension: one AVX register, or half of an AVX-512 one).
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
@@ -258,13 +249,28 @@ void rows(const W* w, const float* x, float* y, int64_t n, int64_t k, int64_t b,
   for (; r < hi; ++r) tile_rows<W, 1>(w, ldw, x, xp, y, n, k, b, r);
 }
 
+// x[0]^2 + ... + x[d-1]^2 in eight lanes in order (each square rounded, then added), the lanes added in order
+// (lane_sums8), then the last d % 8 squares: the same sum on every build. (An `omp simd` reduction had let each
+// build pick its vector width, so an AVX2 build's norms, and so its decode outputs, differed from an AVX-512 build's
+// in the last bit.)
+inline float sum_of_squares(const float* x, int64_t d) {
+  v8f lanes = v8f{};
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const v8f v = load8<float>(x + i);
+    lanes = lanes + v * v;
+  }
+  float s;
+  lane_sums8(&lanes, 1, &s);
+  for (; i < d; ++i) s += x[i] * x[i];
+  return s;
+}
+
 // out[j, :] = weight * (x[j, :] / sqrt(mean(x[j, :]^2) + eps)) for b rows of d elements.
 inline void rms_norm_rows(const float* x, const float* weight, float eps, float* out, int64_t b, int64_t d) {
   for (int64_t j = 0; j < b; ++j) {
     const float* xj = x + j * d;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < d; ++i) ss += xj[i] * xj[i];
+    const float ss = sum_of_squares(xj, d);
     const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
     float* oj = out + j * d;
     for (int64_t i = 0; i < d; ++i) oj[i] = weight[i] * (xj[i] * r);
