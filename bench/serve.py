@@ -41,14 +41,15 @@ from serving import Server  # noqa: E402
 from shardlm.bundled import default_model_dir  # noqa: E402
 from shardlm.settings import home  # noqa: E402
 
-HEADING = "## Serving: shardlm serve vs vLLM's CPU server (bench/serve.py)"
+TITLE = "## Serving: shardlm serve vs vLLM's CPU server"
+HEADING = f"{TITLE} (bench/serve.py)"
 NAME = "smol"
 FIGURE = Path(__file__).resolve().parent / "serve.png"
 
 
 def heading(dtype: str) -> str:
     """This benchmark's RESULTS.md heading for `dtype` (float32 keeps the original section)."""
-    return HEADING if dtype == "float32" else f"{HEADING[:-len(' (bench/serve.py)')]}, {dtype} (bench/serve.py)"
+    return HEADING if dtype == "float32" else f"{TITLE}, {dtype} (bench/serve.py)"
 
 
 def figure_path(dtype: str) -> Path:

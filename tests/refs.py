@@ -106,3 +106,15 @@ def shardlm_stage_rank(rank: int, world: int, folder: str, prompts: list[list[in
     keep = logits is not None and ctx.rank == 0
     params = sorted(n for n, _ in model.module.named_parameters())
     return (logits if keep else None), tokens, ctx.snapshot(), params
+
+
+def fused_block_inputs(dtype: torch.dtype, g: torch.Generator, rows: int, dim: int = 48, hq: int = 4, hkv: int = 2,
+                       hd: int = 12) -> tuple:
+    """Random inputs of a fused decode block (csrc/decode.h attn_decode) but its cache: x (rows, dim), the norm
+    weight (dim,), the q, k, v, o weights, and cos, sin (rows, hd), all in `dtype`."""
+    x, ln = torch.randn(rows, dim, generator=g).to(dtype), (torch.rand(dim, generator=g) + 0.5).to(dtype)
+    ws = [(torch.randn(n, m, generator=g) / m ** 0.5).to(dtype)
+          for n, m in ((hq * hd, dim), (hkv * hd, dim), (hkv * hd, dim), (dim, hq * hd))]
+    angle = torch.rand(rows, hd // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))  # (rows, hd)
+    return x, ln, ws, cos, sin

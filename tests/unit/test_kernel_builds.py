@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refs import fused_block_inputs
 from shardlm.kernels import build
 from shardlm.quant import quantize_int4, quantize_int8
 
@@ -78,12 +79,8 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
 def _decode_inputs(dt, g):
     """A fused decode block's inputs (csrc/decode.h): three rows at positions 37, 20 and 5 of a four-slot cache, the
     middle one with a masked hole (the softmax's per-key path), keys of 38 positions (runs of 16, of 8, and a tail)."""
-    b, dim, hq, hkv, hd, slots, length = 3, 48, 4, 2, 12, 4, 40
-    x, ln = torch.randn(b, dim, generator=g).to(dt), (torch.rand(dim, generator=g) + 0.5).to(dt)
-    ws = [(torch.randn(n, m, generator=g) / m ** 0.5).to(dt)
-          for n, m in ((hq * hd, dim), (hkv * hd, dim), (hkv * hd, dim), (dim, hq * hd))]
-    angle = torch.rand(b, hd // 2, generator=g) * 6
-    cos, sin = (torch.cat([f(angle)] * 2, -1).to(dt) for f in (torch.cos, torch.sin))  # (b, hd)
+    hkv, hd, slots, length = 2, 12, 4, 40
+    x, ln, ws, cos, sin = fused_block_inputs(dt, g, 3, hkv=hkv, hd=hd)
     kc, vc = (torch.randn(slots, hkv, length, hd, generator=g).to(dt) for _ in range(2))
     rows, pos = torch.tensor([2, 0, 3]), torch.tensor([37, 20, 5])
     mask = torch.arange(length)[None] <= pos[:, None]  # (b, length)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from refs import fused_block_inputs
 from shardlm import kernels
 from shardlm.kernels.linear import LinearOps, OneDNNWeight
 from shardlm.settings import Settings, SettingsError
@@ -335,12 +336,8 @@ def test_decode_attention_unchanged_by_a_masked_key_inside_the_row(dtype, ext):
     sum skips it. The keys after it move one place along, so values that fell in a run of sixteen exps fall in a
     run of eight or the tail (25 keys: 16 + 8 + 1; 26: 16 + 8 + 2): the lanes must compute e^x alike."""
     g = torch.Generator().manual_seed(4)
-    dim, hq, hkv, hd, length = 48, 4, 2, 12, 40
-    x, ln = torch.randn(1, dim, generator=g).to(dtype), (torch.rand(dim, generator=g) + 0.5).to(dtype)
-    ws = [(torch.randn(n, m, generator=g) / m ** 0.5).to(dtype)
-          for n, m in ((hq * hd, dim), (hkv * hd, dim), (hkv * hd, dim), (dim, hq * hd))]
-    angle = torch.rand(1, hd // 2, generator=g) * 6
-    cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))  # (1, hd)
+    hkv, hd, length = 2, 12, 40
+    x, ln, ws, cos, sin = fused_block_inputs(dtype, g, 1, hkv=hkv, hd=hd)
     keys, vals = (torch.randn(1, hkv, 24, hd, generator=g).to(dtype) for _ in range(2))
     outs = []
     for hole in (None, 2):

@@ -65,14 +65,15 @@ inline v8f high8(v16f v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12
 // the last few through the eight-lane code, so every value is computed alike whatever the run it falls in. Whole
 // runs are loaded and stored with a constant size (one vector load or store); a copy of a variable size had compiled
 // to a byte-copy sequence costing more than the exp (3.7 us of a 1536-value row, about 2.4 ns a value, measured).
-inline v8f silu_mul8(v8f g, v8f a) { return a * (g / (1.f + exp8(-g))); }
+template <typename V, typename VI>
+inline V silu_mul_lanes(V g, V a) { return a * (g / (1.f + exp_lanes<V, VI>(-g))); }
+inline v8f silu_mul8(v8f g, v8f a) { return silu_mul_lanes<v8f, v8i32>(g, a); }
 
 inline void silu_mul(float* a, const float* g, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) {
-    const v16f gv = load16(g + i);
-    const v16f av = load16(a + i) * (gv / (1.f + exp16(-gv)));
+    const v16f av = silu_mul_lanes<v16f, v16i32>(load16(g + i), load16(a + i));
     std::memcpy(a + i, &av, sizeof(v16f));
   }
 #endif
