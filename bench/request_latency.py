@@ -89,7 +89,8 @@ def main() -> None:
              f"Command: `python bench/request_latency.py --requests {args.requests} --dtype {args.dtype}`. Date: "
              f"{started}. Machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}. `shardlm serve` tp 1, "
              "the bundled model; httpx; medians of the requests after the first two.", "",
-             "| request | kept-alive connection, ms | new connection each time, ms | server's own arrival-to-finish, ms |",
+             "| request | kept-alive connection, ms | new connection each time, ms "
+             "| server's own arrival-to-finish, ms |",
              "|---|---|---|---|"]
     lines += [f"| {what} | {a:.1f} | {b:.1f} | {s} |" for what, a, b, s in rows]
     text = "\n".join(lines) + "\n"
