@@ -187,9 +187,10 @@ class Shardlm:
 
 class EngineSystem:
     """The engine on one GPU, as `shardlm generate` and `serve` run it: a rank process, the engine's steps
-    (runtime/serve_step.py), decode replayed as CUDA graphs (runtime/slot_graphs.py) unless `graphs` is off."""
+    (runtime/serve_step.py), decode replayed as CUDA graphs (runtime/slot_graphs.py) unless `graphs` is off;
+    `rows` copies of the prompt decode together (one batch, as concurrent requests do), row 0's tokens returned."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype, graphs: bool = True):
+    def __init__(self, folder: Path, dtype: torch.dtype, graphs: bool = True, rows: int = 1):
         from shardlm.engine import LocalEngine
         from shardlm.engine.session import plan_run
         from shardlm.plan.plan import KVBudget
@@ -197,14 +198,17 @@ class EngineSystem:
         from shardlm.settings import Settings
 
         flags = RunFlags(dtype=str(dtype).removeprefix("torch."), device="cuda")
-        plan, source = plan_run(str(folder), flags, kv=KVBudget(1, 1024, 512))
+        plan, source = plan_run(str(folder), flags, kv=KVBudget(rows, 1024, 512))
+        self.rows = rows
         self.engine = LocalEngine(plan, source, settings=Settings.from_env(cuda_graphs=graphs), timeout_s=600).start()
-        self.kernels = "engine, " + ("CUDA-graph decode" if graphs else "eager decode")
+        self.kernels = "engine, " + ("CUDA-graph decode" if graphs else "eager decode") + f", {rows} rows"
 
     def generate(self, ids: list[int], new: int) -> list[int]:
         from shardlm.runtime.protocol import SamplingParams
 
-        return self.engine.generate([ids], new, SamplingParams(), ignore_eos=True).token_ids[0]
+        out = self.engine.generate([ids] * self.rows, new, SamplingParams(), ignore_eos=True).token_ids
+        self.rows_equal = sum(row == out[0] for row in out)  # rows whose tokens equal row 0's
+        return out[0]
 
     def close(self) -> None:
         self.engine.close()
@@ -258,7 +262,7 @@ print(json.dumps({"tok_s": samples, "placed": placed, "tokens": tokens,
 
 
 def decode_rate(system, ids: list[int], new: int) -> tuple[float, list[int]]:
-    """Tokens/s over new - 1 decode steps: wall(generate new) - wall(generate 1)."""
+    """Tokens/s over new - 1 decode steps: wall(generate new) - wall(generate 1), times the system's rows."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     system.generate(ids, 1)
@@ -267,7 +271,7 @@ def decode_rate(system, ids: list[int], new: int) -> tuple[float, list[int]]:
     tokens = system.generate(ids, new)
     torch.cuda.synchronize()
     tn = time.perf_counter() - t1
-    return (new - 1) / (tn - (t1 - t0)), tokens
+    return getattr(system, "rows", 1) * (new - 1) / (tn - (t1 - t0)), tokens
 
 
 def weight_bytes(folder: Path) -> int:
@@ -283,13 +287,16 @@ VARIANTS = {
     "compiled-default-mode": lambda f, d: Shardlm(f, d, compile=True, compile_mode="default"),
     "engine": lambda f, d: EngineSystem(f, d),
     "engine-eager": lambda f, d: EngineSystem(f, d, graphs=False),
+    "engine-b8": lambda f, d: EngineSystem(f, d, rows=8),
+    "engine-eager-b8": lambda f, d: EngineSystem(f, d, graphs=False, rows=8),
 }
 """The float graph path's variants (--variants NAME,...): host-inputs, the host building every step's mask,
 positions and slot and reading each token before the next replay (the path before 2026-11-26); step-by-step, the
 replay advancing its own inputs but the host still reading each token before the next replay; unjoined, q/k/v
 and gate/up as separate products; compiled, the step compiled before capture (SHARDLM_CUDA_COMPILE=1: Inductor's
 max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode; engine and
-engine-eager, the engine's path (`shardlm generate` and `serve`: a rank process) with and without its CUDA graphs."""
+engine-eager, the engine's path (`shardlm generate` and `serve`: a rank process) with and without its CUDA graphs;
+engine-b8 and engine-eager-b8, the same with 8 copies of the prompt in one batch (tok/s counts every row)."""
 
 
 def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ...] = (),
@@ -334,11 +341,13 @@ def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ..
         for name, system in built.items():
             ref = tokens.get("transformers", tokens[name])  # itself where transformers failed
             agree = next((k for k, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
-            rows.append({"model": label, "system": name, "tok_s": samples[name],
+            rows.append({"model": label, "system": name, "tok_s": samples[name], "rows": getattr(system, "rows", 1),
                          "weight_bytes": system.resident if isinstance(system, Shardlm) else weight_bytes(folder),
                          "tokens_equal_to_transformers": agree, "tokens": len(ref),
                          "kernels": getattr(system, "kernels", None),
                          "replay_ms": [system.replay_ms() for _ in range(3)] if isinstance(system, Shardlm) else None})
+            if isinstance(system, EngineSystem):
+                rows[-1]["rows_equal_to_row_0"] = system.rows_equal
             if profile and isinstance(system, Shardlm):
                 rows[-1]["kernel_profile"] = prof = system.kernel_profile()
                 for kind, part in (prof or {}).items():

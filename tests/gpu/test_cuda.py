@@ -192,7 +192,7 @@ def test_engine_decode_replayed_as_cuda_graphs_gives_the_eager_tokens(random_dir
     from shardlm.engine import LocalEngine
 
     folder = random_dirs[name]
-    prompts = _prompts(1001, [19, 4, 11, 7, 30])
+    prompts = _prompts(read_config(folder)["vocab_size"], [19, 4, 11, 7, 30])  # mistral_window has 700 tokens
     _, ref_tokens = hf_logits_and_tokens(hf_model(folder), prompts, 24)
     got = {}
     for graphs in (True, False):

@@ -14,11 +14,12 @@ MiB = 2**20
 
 CALIBRATION_FILE = "calibration.json"
 
-CUDA_LAYER_OVERHEAD_S = 75e-6
-"""A decoder layer's fixed cost per decode step when the step is replayed as a CUDA graph (one-GPU
-ranks): 74.6-74.7 us per layer beyond the bandwidth term (weight bytes / 0.8 x datasheet bandwidth) for
-Llama-3.2-1B on one H200 (bench/gpu.py, 2026-11-26: the replay advancing its own inputs, joined products,
-greedy steps run ahead; not compiled). The path of 2026-11-22 took 94-99 us on an H100."""
+CUDA_LAYER_OVERHEAD_S = 90e-6
+"""A decoder layer's fixed cost per decode step when the engine (`shardlm generate`, `serve`) replays the step as a
+CUDA graph (one-GPU ranks): 83.6-90.1 us per layer beyond the bandwidth term (weight bytes / 0.8 x datasheet
+bandwidth) for Llama-3.2-1B bfloat16 at batch 1 on one H200 (bench/gpu.py `--variants engine`, 2026-11-26 07:52 and
+07:57: 479.5 and 504.5 tok/s). It includes the engine's own step (scheduling, the token back to the driver);
+runtime/step.generate's in-process replays, which run ahead of the host, cost 63 us on the same machine."""
 CUDA_EAGER_LAYER_OVERHEAD_S = 750e-6
 """The same when the host issues every kernel (tensor- or pipeline-parallel GPU ranks and streamed
 layers, which the runtime does not capture): 0.72-0.75 ms per layer on that H100 machine's host.

@@ -118,23 +118,11 @@ def _rate(dev: Device, active: int, cluster: Cluster, eager: bool = False) -> Ra
                 s.flops * FLOPS_EFFICIENCY.get(s.kind, 1.0) / share, overhead * waves)
 
 
-ENGINE_CUDA_GRAPHS = False
-"""Whether plans predict the engine's decode steps (runtime/serve_step.py, behind `shardlm generate` and `serve`)
-at the CUDA-graph replay cost. The engine captures them on one-GPU ranks (runtime/slot_graphs.py, written
-2026-11-26), but that path has not run on a GPU yet; until it is measured, plans are predicted with the eager
-cost per layer (the 75 us figure comes from runtime/step.generate's graphs, runtime/cuda_graph.py)."""
-
-
-def graphs_possible(st: Setting, layout: ParallelLayout) -> bool:
-    """Whether the engine captures decode steps in this layout: one GPU per model copy (no tensor or pipeline
-    parallelism) and no streamed layers."""
-    return layout.tp == 1 and layout.pp == 1 and st.offload.tier == "none"
-
-
 def graphs_apply(st: Setting, layout: ParallelLayout) -> bool:
-    """Whether plans predict this layout's decode at the CUDA-graph replay cost: the engine captures its steps
-    here (`graphs_possible`) and that path is measured (ENGINE_CUDA_GRAPHS)."""
-    return ENGINE_CUDA_GRAPHS and graphs_possible(st, layout)
+    """Whether the engine (runtime/serve_step.py, behind `shardlm generate` and `serve`) replays this layout's decode
+    steps as CUDA graphs (runtime/slot_graphs.py), so plans predict them at the replay cost: one GPU per model copy
+    (no tensor or pipeline parallelism) and no streamed layers. Measured on an H200 (bench/RESULTS.md)."""
+    return layout.tp == 1 and layout.pp == 1 and st.offload.tier == "none"
 
 
 def _active_counts(layout: ParallelLayout, devs: dict[str, Device], m: int) -> dict[tuple[int, int], int]:
@@ -251,10 +239,8 @@ def assumptions(st: Setting, layout: ParallelLayout, devs: dict[str, Device]) ->
                    f"{spec.runtime_bytes / 2**20:.0f} MiB runtime ({spec.source})")
     kinds = {devs[c.device].spec.kind for c in layout.coords()}
     if "cuda" in kinds:
-        why = ("the engine's CUDA-graph decode is not measured on a GPU yet" if graphs_possible(st, layout) else
-               "no CUDA graphs with tp/pp or streamed layers")
         mode = ("decode steps replayed as CUDA graphs (one GPU, nothing streamed)" if graphs_apply(st, layout) else
-                f"kernels issued by the host ({why}): at least "
+                "kernels issued by the host (no CUDA graphs with tp/pp or streamed layers): at least "
                 f"{CUDA_EAGER_LAYER_OVERHEAD_S * 1e6:.0f} us per layer, measured on one H100 machine's host")
         out.append(f"GPU kernels reach {BANDWIDTH_EFFICIENCY['cuda']:.0%} of memory bandwidth in decode and "
                    f"{FLOPS_EFFICIENCY['cuda']:.0%} of peak FLOP/s in prefill; {mode}")
