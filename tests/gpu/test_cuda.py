@@ -16,6 +16,7 @@ from shardlm.models.registry import args_for_config
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.launch import run_on_ranks
 from shardlm.plan.memory import shard_weights, stage_weight_bytes
+from shardlm.plan.plan import KVBudget
 from shardlm.quant import int4_codes, int8_codes, pack_int4, pack_int8
 from shardlm.runtime.protocol import SamplingParams
 from shardlm.runtime.step import Batch, attention_mask, generate, positions_for
@@ -200,6 +201,26 @@ def test_engine_decode_replayed_as_cuda_graphs_gives_the_eager_tokens(random_dir
         with LocalEngine(plan, source, settings=Settings.from_env(cuda_graphs=graphs), timeout_s=300) as engine:
             got[graphs] = engine.generate(prompts, 24, SamplingParams(), ignore_eos=True).token_ids
     assert got[True] == got[False] == ref_tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_copies_of_one_prompt_in_one_engine_batch_decode_the_same_tokens(random_dirs, dtype):
+    """A request's tokens do not depend on the rows beside it: 8 copies of one prompt in one batch of the engine on
+    one GPU (its CUDA graphs) decode one token sequence, the one the prompt decodes alone. Written after an H200 run
+    (bench/RESULTS.md, 2026-11-26) in which 8 copies of a Llama-3.2-1B bfloat16 prompt did not; on CPU ranks they do
+    (tests/unit). The message says which rows left row 0 and where, to find the kernel."""
+    from shardlm.engine import LocalEngine
+
+    folder = random_dirs["gqa12x4"]
+    prompt = _prompts(read_config(folder)["vocab_size"], [40], seed=7)[0]
+    plan, source = plan_for(folder, device="cuda", dtype=dtype, kv=KVBudget(8, 256, 128))
+    with LocalEngine(plan, source, timeout_s=300) as engine:
+        alone = engine.generate([prompt], 48, SamplingParams(), ignore_eos=True).token_ids[0]
+        rows = engine.generate([prompt] * 8, 48, SamplingParams(), ignore_eos=True).token_ids
+    first_diff = {j: next((i for i, (a, b) in enumerate(zip(row, alone)) if a != b), None)
+                  for j, row in enumerate(rows)}
+    assert all(at is None for at in first_diff.values()), f"{dtype}: row -> first token unlike the prompt alone: " \
+        f"{first_diff}"
 
 
 def test_sampling_draws_the_same_tokens_on_cpu_and_gpu(random_dirs):

@@ -116,3 +116,20 @@ def test_pipelined_greedy_tokens_equal_transformers(rank, tokenizer, bundled_dir
         with torch.no_grad():
             _, want = hf_logits_and_tokens(model, [r.prompt_ids], len(r.output_ids))
         assert r.output_ids == want[0], f"{r.id}: pipelined greedy tokens differ from transformers'"
+
+
+def test_engines_pipeline_steps_by_default_only_for_gpu_ranks(bundled_dir):
+    """An Engine left to choose (`serve`'s) pipelines its steps for GPU ranks, whose compute leaves the host's cores
+    to the driver, and not for CPU ranks, where a server's per-token work competes with them; an explicit choice
+    stands, and pipeline stages never pipeline steps. Constructing an Engine starts no rank."""
+    import dataclasses
+
+    from refs import plan_for
+    from shardlm.engine.service import Engine
+
+    plan, source = plan_for(bundled_dir)
+    gpu = dataclasses.replace(plan, device="cuda")
+    assert not Engine(plan, source).pipelined and Engine(gpu, source).pipelined
+    assert Engine(plan, source, pipelined=True).pipelined and not Engine(gpu, source, pipelined=False).pipelined
+    staged, _ = plan_for(bundled_dir, pp=2)
+    assert not Engine(dataclasses.replace(staged, device="cuda"), source).pipelined

@@ -60,14 +60,16 @@ class Engine:
 
     def __init__(self, plan: Plan, source: ModelSource, settings: Settings | None = None, max_queue: int = 1024,
                  threads: int | None = None, shm: bool = True, timeout_s: float | None = None, tokenizer=None,
-                 pipelined: bool = False):
+                 pipelined: bool | None = None):
         self.plan, self.source, self.max_queue = plan, source, max_queue
-        self.pipelined = pipelined and plan.layout.pp == 1
+        self.pipelined = (plan.device == "cuda" if pipelined is None else pipelined) and plan.layout.pp == 1
         """Send step n + 1 before applying step n's result (scheduler.py): the ranks keep each slot's sampled token
         for it. Not with pipeline stages (the last stage samples, the first embeds). It pays where the driver has
         little to do per step: `generate` (LocalEngine, on by default) decoded 1.00-1.05x as fast on a 2-core host
-        (bench/decode_vs_commit.py); a server streaming tokens over HTTP on that host was slower with it (its per-token work then
-        competes with the ranks for the cores), so `serve` leaves it off (bench/RESULTS.md)."""
+        (bench/decode_vs_commit.py); a server streaming tokens over HTTP on that host was slower with it (its
+        per-token work then competes with CPU ranks for the cores), so by default (`pipelined` None) it is on only
+        for GPU ranks, whose steps leave the host's cores free: there the driver's work would otherwise add to every
+        step (the engine on an H200 took ~0.4 ms a step beyond its replay even pipelined, bench/RESULTS.md)."""
         self.settings = settings or Settings.from_env()
         self.group = RankGroup(plan, source, self.settings, threads, shm,
                                timeout_s or self.settings.collective_timeout_s)
