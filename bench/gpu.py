@@ -190,7 +190,7 @@ class EngineSystem:
     (runtime/serve_step.py), decode replayed as CUDA graphs (runtime/slot_graphs.py) unless `graphs` is off;
     `rows` copies of the prompt decode together (one batch, as concurrent requests do), row 0's tokens returned."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype, graphs: bool = True, rows: int = 1):
+    def __init__(self, folder: Path, dtype: torch.dtype, graphs: bool = True, rows: int = 1, ahead: bool = True):
         from shardlm.engine import LocalEngine
         from shardlm.engine.session import plan_run
         from shardlm.plan.plan import KVBudget
@@ -200,8 +200,10 @@ class EngineSystem:
         flags = RunFlags(dtype=str(dtype).removeprefix("torch."), device="cuda")
         plan, source = plan_run(str(folder), flags, kv=KVBudget(rows, 1024, 512))
         self.rows = rows
-        self.engine = LocalEngine(plan, source, settings=Settings.from_env(cuda_graphs=graphs), timeout_s=600).start()
-        self.kernels = "engine, " + ("CUDA-graph decode" if graphs else "eager decode") + f", {rows} rows"
+        settings = Settings.from_env(cuda_graphs=graphs, cuda_ahead=ahead)
+        self.engine = LocalEngine(plan, source, settings=settings, timeout_s=600).start()
+        self.kernels = ("engine, " + ("CUDA-graph decode" if graphs else "eager decode") +
+                        (", steps run ahead" if graphs and ahead else "") + f", {rows} rows")
 
     def generate(self, ids: list[int], new: int) -> list[int]:
         from shardlm.runtime.protocol import SamplingParams
@@ -287,7 +289,9 @@ VARIANTS = {
     "compiled-default-mode": lambda f, d: Shardlm(f, d, compile=True, compile_mode="default"),
     "engine": lambda f, d: EngineSystem(f, d),
     "engine-eager": lambda f, d: EngineSystem(f, d, graphs=False),
+    "engine-no-ahead": lambda f, d: EngineSystem(f, d, ahead=False),
     "engine-b8": lambda f, d: EngineSystem(f, d, rows=8),
+    "engine-no-ahead-b8": lambda f, d: EngineSystem(f, d, rows=8, ahead=False),
     "engine-eager-b8": lambda f, d: EngineSystem(f, d, graphs=False, rows=8),
 }
 """The float graph path's variants (--variants NAME,...): host-inputs, the host building every step's mask,
@@ -296,7 +300,9 @@ replay advancing its own inputs but the host still reading each token before the
 and gate/up as separate products; compiled, the step compiled before capture (SHARDLM_CUDA_COMPILE=1: Inductor's
 max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode; engine and
 engine-eager, the engine's path (`shardlm generate` and `serve`: a rank process) with and without its CUDA graphs;
-engine-b8 and engine-eager-b8, the same with 8 copies of the prompt in one batch (tok/s counts every row)."""
+engine-no-ahead, the engine reading each step's tokens before it launches the next (SHARDLM_CUDA_AHEAD=0);
+engine-b8, engine-eager-b8 and engine-no-ahead-b8, the same with 8 copies of the prompt in one batch (tok/s counts
+every row)."""
 
 
 def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ...] = (),

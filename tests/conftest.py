@@ -106,3 +106,27 @@ def kernel_ext():
 def read_json(path: Path) -> dict:
     """Parse a JSON file."""
     return json.loads(Path(path).read_text())
+
+
+class _Replay:
+    """Stands in for torch.cuda.CUDAGraph: replay() recomputes the step on the same buffers."""
+
+    def __init__(self, graphs, rows, length, out):
+        self.graphs, self.rows, self.length, self.out = graphs, rows, length, out
+
+    def replay(self):
+        self.out.copy_(self.graphs._forward(self.rows, self.length))
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The serving engine's captured decode steps (runtime/slot_graphs.py) on the CPU: each replay is a plain call
+    of the captured step on the same buffers."""
+    from shardlm.runtime import slot_graphs
+
+    def capture(self, rows, length):
+        logits = self._forward(rows, length)  # writes what the replay writes (same inputs)
+        return _Replay(self, rows, length, logits), logits
+
+    monkeypatch.setattr(slot_graphs.SlotGraphs, "_capture", capture)
+

@@ -80,6 +80,9 @@ class Settings:
     """Compile the CUDA-graph decode step with torch.compile before capturing it."""
     cuda_join: bool = True
     """On GPU ranks, one product for q/k/v and one for gate/up (runtime/projections.py)."""
+    cuda_ahead: bool = True
+    """On a serving rank with CUDA-graph decode, launch greedy decode steps before the one ahead of them is read
+    back (runtime/ahead.py)."""
     offload_uncached: bool = False
     """Evict streamed layers from the page cache after each use (benchmarks)."""
     collective_timeout_s: float = 300.0
@@ -99,6 +102,7 @@ class Settings:
                       cuda_graphs=_flag(env, "SHARDLM_CUDA_GRAPHS", True),
                       cuda_compile=_flag(env, "SHARDLM_CUDA_COMPILE", False),
                       cuda_join=_flag(env, "SHARDLM_CUDA_JOIN", True),
+                      cuda_ahead=_flag(env, "SHARDLM_CUDA_AHEAD", True),
                       offload_uncached=_flag(env, "SHARDLM_OFFLOAD_UNCACHED", False),
                       collective_timeout_s=_seconds(env, "SHARDLM_COLLECTIVE_TIMEOUT_S", 300.0))
         return cls(**{**values, **overrides})

@@ -20,25 +20,6 @@ from shardlm.settings import Settings
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(temperature=0.9, seed=5)
 
 
-class _Replay:
-    """Stands in for torch.cuda.CUDAGraph: replay() recomputes the step on the same buffers."""
-
-    def __init__(self, graphs, rows, length, out):
-        self.graphs, self.rows, self.length, self.out = graphs, rows, length, out
-
-    def replay(self):
-        self.out.copy_(self.graphs._forward(self.rows, self.length))
-
-
-@pytest.fixture
-def on_cpu(monkeypatch):
-    def capture(self, rows, length):
-        logits = self._forward(rows, length)  # writes what the replay writes (same inputs)
-        return _Replay(self, rows, length, logits), logits
-
-    monkeypatch.setattr(slot_graphs.SlotGraphs, "_capture", capture)
-
-
 def _script(prompts: dict[int, list[int]]) -> list[tuple]:
     """(starts, prefills, decoding slots) per step: slots 0, 2, 4 start together; slot 1 starts at step 2 with its
     prompt in two chunks while the others decode; slot 2 stops after step 4; slot 5 starts at step 5."""

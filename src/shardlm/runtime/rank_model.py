@@ -27,6 +27,8 @@ class KernelChoice:
     """The CUDA-graph decode step is torch.compile'd before capture (SHARDLM_CUDA_COMPILE=1)."""
     joined_layers: int = 0
     """Layers whose q/k/v and gate/up run as one product each (GPU, runtime/projections.py)."""
+    run_ahead: bool = False
+    """The serving engine's greedy decode steps launch before the step ahead of them is read (runtime/ahead.py)."""
 
     def describe(self) -> str:
         """e.g. "gemv, fused decode in 30 layers"."""
@@ -37,6 +39,8 @@ class KernelChoice:
             parts.append(f"q/k/v and gate/up joined in {self.joined_layers} layers")
         if self.cuda_graphs:
             parts.append("compiled CUDA-graph decode" if self.compiled else "CUDA-graph decode")
+        if self.run_ahead:
+            parts.append("serving steps run ahead")
         return ", ".join(parts)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.stages import micro_batch_rows
+from shardlm.runtime.ahead import RunAhead
 from shardlm.runtime.rank_model import RankModel
 from shardlm.runtime.slot_graphs import SlotGraphs
 from shardlm.runtime.slots import SlotCache, SlotRun
@@ -129,6 +130,8 @@ class SlotRunner:
         self.graphs = SlotGraphs(rank.module, self.cache, self.window) \
             if rank.kernels.cuda_graphs and rank.device.type == "cuda" else None
         """Decode steps as CUDA graph replays on a one-GPU rank (runtime/slot_graphs.py)."""
+        self.ahead = RunAhead(self) if self.graphs is not None and rank.kernels.run_ahead else None
+        """Greedy decode steps launched before the step ahead of them is read (runtime/ahead.py)."""
 
     @property
     def reports(self) -> bool:
@@ -163,7 +166,7 @@ class SlotRunner:
         for a, b in (micro_batch_rows(len(decodes), groups) if decodes else []):
             part = decodes[a:b]
             pos = [d.position for d in part]
-            items.append(_Item(torch.tensor([[self._token(d)] for d in part]), torch.tensor(pos)[:, None],
+            items.append(_Item(torch.tensor([[self.fed_token(d)] for d in part]), torch.tensor(pos)[:, None],
                                decode_mask(pos, self.window), self.cache.decode([d.slot for d in part], pos), part,
                                False))
         return items
@@ -176,7 +179,7 @@ class SlotRunner:
         return self.graphs.logits([d.slot for d in item.work], item.positions[:, 0].tolist(),
                                   item.tokens[:, 0].tolist())
 
-    def _token(self, d: Decode) -> int:
+    def fed_token(self, d: Decode) -> int:
         """The token a decode row feeds: its own, or the slot's last sample (held here for pipelined steps)."""
         if d.token is not None:
             return d.token

@@ -92,18 +92,8 @@ class SlotGraphs:
             logits = self._forward(rows, length)
         return graph, logits
 
-    def logits(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor | None:
-        """Logits (b, 1, vocab) float32 of decode rows (slot, position, token fed), in their order; None when
-        capturing failed (the caller runs the step eagerly)."""
-        if self.failed:
-            return None
-        rows, length = self.shape(slots, positions)
-        feed = torch.zeros(rows, 1, dtype=torch.long)
-        at = torch.full((rows, 1), self.cache.max_len - 1, dtype=torch.long)  # idle rows: their slot's last position
-        feed[slots, 0] = torch.tensor(tokens, dtype=torch.long)
-        at[slots, 0] = torch.tensor(positions, dtype=torch.long)
-        self.tokens[:rows].copy_(feed, non_blocking=True)
-        self.positions[:rows].copy_(at, non_blocking=True)
+    def _graph(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """The graph of this shape (captured now if new) and its logits buffer; None once a capture failed."""
         key = (rows, length)
         got = self.kept.pop(key, None)
         if got is None:
@@ -117,6 +107,23 @@ class SlotGraphs:
                 self.failed = True
                 return None
         self.kept[key] = got
+        return got
+
+    def logits(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor | None:
+        """Logits (b, 1, vocab) float32 of decode rows (slot, position, token fed), in their order; None when
+        capturing failed (the caller runs the step eagerly)."""
+        if self.failed:
+            return None
+        rows, length = self.shape(slots, positions)
+        feed = torch.zeros(rows, 1, dtype=torch.long)
+        at = torch.full((rows, 1), self.cache.max_len - 1, dtype=torch.long)  # idle rows: their slot's last position
+        feed[slots, 0] = torch.tensor(tokens, dtype=torch.long)
+        at[slots, 0] = torch.tensor(positions, dtype=torch.long)
+        self.tokens[:rows].copy_(feed, non_blocking=True)
+        self.positions[:rows].copy_(at, non_blocking=True)
+        got = self._graph(rows, length)
+        if got is None:
+            return None
         graph, logits = got
         graph.replay()
         return logits[torch.tensor(slots, device=logits.device)]  # (b, 1, vocab)

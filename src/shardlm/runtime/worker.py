@@ -29,6 +29,7 @@ from shardlm.parallel.context import ParallelContext, PipePeers
 from shardlm.parallel.launch import DeviceError, join_group, pick_backend, rank_device
 from shardlm.parallel.pipeline import pipeline_context
 from shardlm.quant_spec import QuantizationError
+from shardlm.runtime.ahead import serve_steps
 from shardlm.runtime.build import build_rank_model
 from shardlm.runtime.offload import OffloadError
 from shardlm.runtime.protocol import RankLaunch
@@ -164,18 +165,7 @@ def _serve(launch: RankLaunch, inbox, outbox, listener) -> None:
     outbox.put(("ready", launch.spec.rank, _ready_report(rank, device, runner)))
     fixed = fixed_stats(rank, runner)
     try:
-        while True:
-            msg = inbox.get()
-            if msg is None:
-                return
-            if msg == "stats":
-                outbox.put(("stats", launch.spec.rank, rank_stats(rank, ctx, runner, fixed)))
-                continue
-            result = runner.run(msg)
-            if result is not None:
-                outbox.put(("step", launch.spec.rank, result))
-            if msg.report_stats:  # after the result, so the driver is not kept waiting for it
-                outbox.put(("stats", launch.spec.rank, rank_stats(rank, ctx, runner, fixed)))
+        serve_steps(runner, inbox, outbox, launch.spec.rank, lambda: rank_stats(rank, ctx, runner, fixed))
     finally:
         rank.close()
         if ctx.shm is not None:

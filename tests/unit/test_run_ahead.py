@@ -1,0 +1,93 @@
+"""Greedy decode steps launched ahead (runtime/ahead.py) on the CPU, with the graph replays stood in: the rank's
+loop (`serve_steps`, as a rank process runs it) launches step n + 1 before it reads step n, feeding rows whose token
+is not read yet from the device. Every request must end with the tokens and finish reason it gets from the plain
+rank loop, whatever ends it, while sampled rows, chunked prompts and slot handovers force steps that cannot run
+ahead in between."""
+
+import queue
+import threading
+
+import pytest
+
+from refs import build
+from shardlm.engine.scheduler import Scheduler
+from shardlm.engine.text import load_tokenizer
+from shardlm.parallel.context import ParallelContext
+from shardlm.plan.plan import KVBudget
+from shardlm.runtime import ahead as ahead_mod
+from shardlm.runtime import slot_graphs
+from shardlm.runtime.ahead import Launched, RunAhead, serve_steps
+from shardlm.runtime.serve_step import SlotRunner
+from shardlm.settings import Settings
+from test_pipelined_steps import CANCEL_AFTER, CHUNK, MAX_LEN, SLOTS, _requests
+
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def rank(bundled_dir):
+    return build(bundled_dir, kv=KVBudget(SLOTS, MAX_LEN, CHUNK), settings=Settings(kernels="torch"))
+
+
+def _runner(rank, graphs: bool) -> SlotRunner:
+    runner = SlotRunner(rank, ParallelContext())
+    assert runner.graphs is None and runner.ahead is None  # a CPU rank: no graphs of its own
+    if graphs:
+        runner.graphs = slot_graphs.SlotGraphs(rank.module, runner.cache, runner.window)
+        runner.ahead = RunAhead(runner)
+    return runner
+
+
+def _drive(runner: SlotRunner, tokenizer, reqs) -> None:
+    """The engine's pipelined driver (engine/service.py) against `serve_steps` in a thread, through queues."""
+    inbox, outbox = queue.Queue(), queue.Queue()
+    rank_loop = threading.Thread(target=serve_steps, args=(runner, inbox, outbox, 0, dict), daemon=True)
+    rank_loop.start()
+    sched = Scheduler(SLOTS, MAX_LEN, CHUNK, (0,))
+    for r in reqs:
+        sched.add(r)
+
+    def apply(step):
+        kind, _, result = outbox.get(timeout=WAIT_S)
+        assert kind == "step" and result.id == step.id, (kind, result)
+        sched.apply(step, result, tokenizer)
+        if len(reqs[2].output_ids) >= CANCEL_AFTER:
+            reqs[2].cancel()
+
+    under_way = None
+    for _ in range(500):
+        step = sched.next_step()
+        if step.empty:
+            if under_way is None:
+                break
+            apply(under_way)
+            under_way = None
+            continue
+        inbox.put(step)
+        if under_way is not None:
+            apply(under_way)
+        under_way = step
+    inbox.put(None)
+    rank_loop.join(timeout=WAIT_S)
+    assert not rank_loop.is_alive() and sched.idle(), "the rank loop or the requests did not finish"
+
+
+def test_steps_run_ahead_give_every_request_the_plain_loops_tokens(rank, bundled_dir, on_cpu, monkeypatch):
+    tokenizer = load_tokenizer(bundled_dir)
+    probe = _requests(None, None)
+    _drive(_runner(rank, graphs=False), tokenizer, probe)
+    stop_token = probe[4].output_ids[5]
+    stop_text = tokenizer.decode(probe[5].output_ids[3:5]).strip()[:3]
+    plain, run_ahead = _requests(stop_token, stop_text), _requests(stop_token, stop_text)
+    _drive(_runner(rank, graphs=False), tokenizer, plain)
+    # a stood-in step is done at once; hold it "on the device" 20 ms, so the driver's next step arrives meanwhile
+    monkeypatch.setattr(Launched, "done", lambda self: ahead_mod.time.perf_counter() > self.t0 + 0.02)
+    runner = _runner(rank, graphs=True)
+    _drive(runner, tokenizer, run_ahead)
+    for a, b in zip(plain, run_ahead):
+        assert b.output_ids == a.output_ids, f"{a.id}: tokens differ when steps run ahead"
+        assert b.finish_reason == a.finish_reason
+    assert [r.finish_reason for r in plain] == ["length", "length", "cancelled", "length", "stop", "stop", "length"]
+    assert runner.ahead.overlapped > 0, "no step was launched while the one before it was unread"
+    assert runner.ahead.launches < runner.clock.count, "every step ran ahead: none was sampled or prefilled"
+    assert runner.ahead.unread == 0 and not runner.ahead.latest
