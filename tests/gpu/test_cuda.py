@@ -203,6 +203,41 @@ def test_engine_decode_replayed_as_cuda_graphs_gives_the_eager_tokens(random_dir
     assert got[True] == got[False] == ref_tokens
 
 
+@torch.inference_mode()
+def test_a_serving_step_launched_ahead_does_not_wait_for_the_gpu(random_dirs):
+    """runtime/ahead.py: launching a greedy decode step queues its work behind what the GPU is doing, without
+    waiting for it (a copy from pageable memory or a read back would); its tokens equal a plain step's."""
+    from shardlm.runtime.serve_step import SlotRunner
+    from shardlm.runtime.work import Decode, Prefill, SlotStart, Step
+
+    folder = random_dirs["gqa12x4"]
+    rank = build(folder, device="cuda:0", kv=KVBudget(4, 128, 64))
+    greedy, prompts = SamplingParams(), _prompts(read_config(folder)["vocab_size"], [9, 5, 7])
+    runs = {}
+    for ahead in (False, True):
+        runner = SlotRunner(rank, ParallelContext())
+        assert runner.graphs is not None and runner.ahead is not None
+        first = runner.run(Step(0, tuple(SlotStart(s, 0) for s in range(3)),
+                                tuple(Prefill(s, tuple(p), 0, True, greedy) for s, p in enumerate(prompts)), ()))
+        tokens = {s: [got.token] for s, got in first.slots.items()}
+        for i in range(1, 6):
+            step = Step(i, (), (), tuple(Decode(s, tokens[s][-1], len(prompts[s]) + i - 1, greedy) for s in range(3)))
+            if not ahead:
+                result = runner.run(step)
+            else:
+                runner.ahead.read(runner.ahead.launch(step))  # the first launch captures its graph (synchronizes)
+                torch.cuda._sleep(200_000_000)  # keeps the GPU busy for a while
+                busy = torch.cuda.Event()
+                busy.record()
+                launched = runner.ahead.launch(step)  # the same step again: same inputs, same cache writes
+                assert not busy.query(), "launch waited for the GPU's earlier work"
+                result = runner.ahead.read(launched)
+            for s, got in result.slots.items():
+                tokens[s].append(got.token)
+        runs[ahead] = tokens
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_copies_of_one_prompt_in_one_engine_batch_decode_the_same_tokens(random_dirs, dtype):
     """A request's tokens do not depend on the rows beside it: 8 copies of one prompt in one batch of the engine on

@@ -90,4 +90,42 @@ def test_steps_run_ahead_give_every_request_the_plain_loops_tokens(rank, bundled
     assert [r.finish_reason for r in plain] == ["length", "length", "cancelled", "length", "stop", "stop", "length"]
     assert runner.ahead.overlapped > 0, "no step was launched while the one before it was unread"
     assert runner.ahead.launches < runner.clock.count, "every step ran ahead: none was sampled or prefilled"
-    assert runner.ahead.unread == 0 and not runner.ahead.latest
+    assert not runner.ahead.unread and not runner.ahead.latest
+
+
+def test_a_capture_that_fails_inside_a_launch_leaves_every_request_its_tokens(rank, bundled_dir, on_cpu,
+                                                                             monkeypatch):
+    """A graph that cannot be captured while a step is launched ahead (the kept graphs are dropped at the fifth
+    launch, so the next launch captures): the rank reads what is unread, runs that step and the rest eagerly, and no
+    request's tokens change."""
+    tokenizer = load_tokenizer(bundled_dir)
+    plain, run_ahead = _requests(None, None), _requests(None, None)
+    _drive(_runner(rank, graphs=False), tokenizer, plain)
+    stand_in, launch = slot_graphs.SlotGraphs._capture, RunAhead.launch
+    state = {"launching": False, "failed": 0, "launches": 0}
+
+    def launching(self, step):
+        state["launches"] += 1
+        if state["launches"] == 5:
+            self.graphs.kept.clear()
+        state["launching"] = True
+        try:
+            return launch(self, step)
+        finally:
+            state["launching"] = False
+
+    def capture(self, rows, length):
+        if state["launching"]:
+            state["failed"] += 1
+            raise RuntimeError("capture refused by the test")
+        return stand_in(self, rows, length)
+
+    monkeypatch.setattr(RunAhead, "launch", launching)
+    monkeypatch.setattr(slot_graphs.SlotGraphs, "_capture", capture)
+    monkeypatch.setattr(Launched, "done", lambda self: ahead_mod.time.perf_counter() > self.t0 + 0.02)
+    runner = _runner(rank, graphs=True)
+    _drive(runner, tokenizer, run_ahead)
+    assert state["failed"] == 1 and runner.graphs.failed
+    assert runner.ahead.launches == 4  # the fifth launch failed; steps ran eagerly from then on
+    for a, b in zip(plain, run_ahead):
+        assert (b.output_ids, b.finish_reason) == (a.output_ids, a.finish_reason), f"{a.id} changed"

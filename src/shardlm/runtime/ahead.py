@@ -9,9 +9,10 @@ copied back behind an event) and read later: `serve_steps` launches step n + 1, 
 the GPU take it from `held` (each slot's last launched argmax), and only then reads step n. A row gets the tokens
 it would get read at once: the same replay fed the same token, and a row's argmax is its own.
 
-Inputs go through pinned staging buffers, two used in turn: a copy from pageable memory may wait for the GPU's work
-in flight, which would undo the overlap. At most two launched steps are unread at a time (step n is read right after
-step n + 1 is launched), so a buffer is written again only after the step that used it has been read.
+Inputs go through pinned staging buffers, two used in turn, each launch's block contiguous (a copy from pageable
+memory, which a non-contiguous pinned slice becomes, may wait for the GPU's work in flight and undo the overlap). At
+most two launched steps are unread at a time and they are read in order (step n right after step n + 1 is
+launched), so a buffer is written again only after the step that used it has been read.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from shardlm.runtime.work import Sampled, Step, StepResult
 
 POLL_S = 0.0002
 """While a launched step is unread, how long one wait for the driver's next message lasts before the rank checks
-whether the GPU has finished that step (and then reads it rather than wait on)."""
+whether the GPU has finished that step (and then reads it rather than wait on). A driver that waits for each result
+before sending the next step (an Engine with pipelined=False) gets it up to this much later."""
 
 _NOTHING = object()
 
@@ -59,13 +61,16 @@ class RunAhead:
         self.cuda = dev.type == "cuda"
         self.held = torch.zeros(n, dtype=torch.long, device=dev)
         """Each slot's token from the last step launched for it."""
-        self.staging = [torch.zeros(4, n, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
-        """(4, slots) per launch, in turn: tokens, positions, rows fed from `held`, rows that decode."""
-        self.inputs = torch.zeros(4, n, dtype=torch.long, device=dev)
+        self.staging = [torch.zeros(4 * n, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        """Per launch, in turn, its first 4 x rows values as (4, rows): tokens, positions, rows fed from `held`,
+        rows that decode."""
+        self.inputs = torch.zeros(4 * n, dtype=torch.long, device=dev)
         self.outputs = [torch.zeros(n, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.latest: dict[int, int] = {}
         """slot -> the id of the last launched step that decoded it, while that step is unread."""
-        self.unread = 0
+        self.unread: list[int] = []
+        """Ids of the launched steps not read yet, oldest first."""
+        self.last_read = 0.0
         self.launches = 0
         self.overlapped = 0
         """Launches made while another step was unread (the GPU had work queued)."""
@@ -85,17 +90,18 @@ class RunAhead:
             from_gpu = d.token is None and d.slot in self.latest
             tokens[d.slot] = 0 if from_gpu else self.runner.fed_token(d)
             positions[d.slot], held[d.slot], decoding[d.slot] = d.position, int(from_gpu), 1
-        stage = self.staging[self.launches % 2]
-        stage[:, :rows].copy_(torch.tensor([tokens, positions, held, decoding], dtype=torch.long))
-        self.inputs[:, :rows].copy_(stage[:, :rows], non_blocking=True)
-        return self.inputs[:, :rows]
+        stage = self.staging[self.launches % 2][:4 * rows].view(4, rows)  # contiguous, pinned on a GPU
+        stage.copy_(torch.tensor([tokens, positions, held, decoding], dtype=torch.long))
+        inputs = self.inputs[:4 * rows].view(4, rows)
+        inputs.copy_(stage, non_blocking=True)
+        return inputs
 
     @torch.inference_mode()
     def launch(self, step: Step) -> Launched | None:
         """Replay `step` and take its rows' argmax on the device without reading them; None when its graph could
         not be captured (the caller then reads what is unread and runs the step eagerly)."""
-        if self.unread > 1:
-            raise RuntimeError(f"{self.unread} launched steps are unread; read one before launching another")
+        if len(self.unread) > 1:
+            raise RuntimeError(f"{len(self.unread)} launched steps are unread; read one before launching another")
         t0, graphs = time.perf_counter(), self.graphs
         slots = [d.slot for d in step.decodes]
         rows, length = graphs.shape(slots, [d.position for d in step.decodes])
@@ -116,13 +122,17 @@ class RunAhead:
             ready = torch.cuda.Event()
             ready.record()
         self.latest.update((s, step.id) for s in slots)
-        self.overlapped += self.unread > 0
-        self.unread += 1
+        self.overlapped += bool(self.unread)
+        self.unread.append(step.id)
         self.launches += 1
         return Launched(step, slots, out, ready, t0)
 
     def read(self, launched: Launched) -> StepResult:
-        """Wait for a launched step and return its result (its slots' tokens become the rank's last samples)."""
+        """Wait for a launched step and return its result (its slots' tokens become the rank's last samples). Steps
+        are read in the order they were launched. A step's time runs from its launch, or from the read of the step
+        before it when that came later, to its read: the times of overlapping steps add up to the wall time."""
+        if not self.unread or self.unread[0] != launched.step.id:
+            raise RuntimeError(f"step {launched.step.id} read out of order (unread: {self.unread})")
         if launched.ready is not None:
             launched.ready.synchronize()
         tokens = launched.tokens.tolist()
@@ -132,8 +142,9 @@ class RunAhead:
             self.runner.sampled[s] = tokens[s]
             if self.latest.get(s) == launched.step.id:
                 del self.latest[s]
-        self.unread -= 1
-        seconds = time.perf_counter() - launched.t0
+        self.unread.pop(0)
+        now = time.perf_counter()
+        seconds, self.last_read = now - max(launched.t0, self.last_read), now
         self.runner.clock.add(seconds)
         return StepResult(launched.step.id, out, seconds)
 
