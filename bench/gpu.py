@@ -300,9 +300,22 @@ replay advancing its own inputs but the host still reading each token before the
 and gate/up as separate products; compiled, the step compiled before capture (SHARDLM_CUDA_COMPILE=1: Inductor's
 max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode; engine and
 engine-eager, the engine's path (`shardlm generate` and `serve`: a rank process) with and without its CUDA graphs;
-engine-no-ahead, the engine reading each step's tokens before it launches the next (SHARDLM_CUDA_AHEAD=0);
-engine-b8, engine-eager-b8 and engine-no-ahead-b8, the same with 8 copies of the prompt in one batch (tok/s counts
-every row)."""
+engine-no-ahead, reading each step's tokens before launching the next (SHARDLM_CUDA_AHEAD=0); engine-b8,
+engine-eager-b8 and engine-no-ahead-b8, the same with 8 copies of the prompt in one batch (tok/s counts every row)."""
+
+
+def decode_row(label: str, name: str, system, folder: Path, samples: list[float], tokens: dict) -> dict:
+    """One system's decode row for the JSON: rates, weight bytes, first tokens equal to transformers' (to its own
+    where transformers failed), kernels, replay times (in process) and, for the engine, rows equal to row 0."""
+    ref = tokens.get("transformers", tokens[name])
+    agree = next((k for k, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
+    row = {"model": label, "system": name, "tok_s": samples, "rows": getattr(system, "rows", 1),
+           "weight_bytes": system.resident if isinstance(system, Shardlm) else weight_bytes(folder),
+           "tokens_equal_to_transformers": agree, "tokens": len(ref), "kernels": getattr(system, "kernels", None),
+           "replay_ms": [system.replay_ms() for _ in range(3)] if isinstance(system, Shardlm) else None}
+    if isinstance(system, EngineSystem):
+        row["rows_equal_to_row_0"] = system.rows_equal
+    return row
 
 
 def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ...] = (),
@@ -345,15 +358,7 @@ def run_decode(models: dict, rounds: int, new: int, say, variants: tuple[str, ..
                 samples[name].append(rate)
             say(f"  {label} round {r + 1}: " + ", ".join(f"{n} {samples[n][-1]:.1f}" for n in built))
         for name, system in built.items():
-            ref = tokens.get("transformers", tokens[name])  # itself where transformers failed
-            agree = next((k for k, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
-            rows.append({"model": label, "system": name, "tok_s": samples[name], "rows": getattr(system, "rows", 1),
-                         "weight_bytes": system.resident if isinstance(system, Shardlm) else weight_bytes(folder),
-                         "tokens_equal_to_transformers": agree, "tokens": len(ref),
-                         "kernels": getattr(system, "kernels", None),
-                         "replay_ms": [system.replay_ms() for _ in range(3)] if isinstance(system, Shardlm) else None})
-            if isinstance(system, EngineSystem):
-                rows[-1]["rows_equal_to_row_0"] = system.rows_equal
+            rows.append(decode_row(label, name, system, folder, samples[name], tokens))
             if profile and isinstance(system, Shardlm):
                 rows[-1]["kernel_profile"] = prof = system.kernel_profile()
                 for kind, part in (prof or {}).items():

@@ -20,6 +20,8 @@ echo "tests exit ${PIPESTATUS[0]}"
 # default: the 1B model's decode: the default path and the engine's (`shardlm generate` / `serve`) with its steps run
 # ahead or not, at 1 and 8 rows (about 3 minutes); BENCH_ARGS=" " runs the whole benchmark (decode of both models,
 # int8/int4, offload: ~8 minutes)
+DEFAULT_BENCH="--only decode --models llama-3.2-1b --no-quantized"
+DEFAULT_BENCH="$DEFAULT_BENCH --variants engine,engine-no-ahead,engine-b8,engine-no-ahead-b8"
 timeout "${BENCH_TIMEOUT:-330}" $PY bench/gpu.py --out "$OUT/gpu.json" --rounds "${ROUNDS:-3}" \
-    ${BENCH_ARGS:---only decode --models llama-3.2-1b --no-quantized --variants engine,engine-no-ahead,engine-b8,engine-no-ahead-b8} 2>&1 | tee "$OUT/bench.log"
+    ${BENCH_ARGS:-$DEFAULT_BENCH} 2>&1 | tee "$OUT/bench.log"
 echo "bench exit ${PIPESTATUS[0]}"

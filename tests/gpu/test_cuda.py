@@ -238,7 +238,9 @@ def test_a_serving_step_launched_ahead_does_not_wait_for_the_gpu(random_dirs):
     assert runs[True] == runs[False]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.xfail(
+    strict=False, reason="on an H200 (2026-11-26) 8 bfloat16 copies of a prompt in one batch differed; "
+                         "batch-invariant GPU kernels are not written"))])
 def test_copies_of_one_prompt_in_one_engine_batch_decode_the_same_tokens(random_dirs, dtype):
     """A request's tokens do not depend on the rows beside it: 8 copies of one prompt in one batch of the engine on
     one GPU (its CUDA graphs) decode one token sequence, the one the prompt decodes alone. Written after an H200 run

@@ -26,6 +26,7 @@ WAIT_S = 30.0
 
 @pytest.fixture(scope="module")
 def rank(bundled_dir):
+    """The bundled model's rank with torch kernels (the CPU stand-in replays the captured step through them)."""
     return build(bundled_dir, kv=KVBudget(SLOTS, MAX_LEN, CHUNK), settings=Settings(kernels="torch"))
 
 
@@ -73,6 +74,8 @@ def _drive(runner: SlotRunner, tokenizer, reqs) -> None:
 
 
 def test_steps_run_ahead_give_every_request_the_plain_loops_tokens(rank, bundled_dir, on_cpu, monkeypatch):
+    """Requests ended by max_tokens, max_seq_len, a stop token, a stop string and cancellation, with sampled rows and
+    chunked prompts beside them: the same tokens and endings with steps run ahead as with the plain loop."""
     tokenizer = load_tokenizer(bundled_dir)
     probe = _requests(None, None)
     _drive(_runner(rank, graphs=False), tokenizer, probe)

@@ -16,7 +16,7 @@ CALIBRATION_FILE = "calibration.json"
 
 CUDA_LAYER_OVERHEAD_S = 90e-6
 """A decoder layer's fixed cost per decode step when the engine (`shardlm generate`, `serve`) replays the step as a
-CUDA graph (one-GPU ranks): 83.6-90.1 us per layer beyond the bandwidth term (weight bytes / 0.8 x datasheet
+CUDA graph (one-GPU ranks): 83.7-90.1 us per layer beyond the bandwidth term (weight bytes / 0.8 x datasheet
 bandwidth) for Llama-3.2-1B bfloat16 at batch 1 on one H200 (bench/gpu.py `--variants engine`, 2026-11-26 07:52 and
 07:57: 479.5 and 504.5 tok/s). It includes the engine's own step (scheduling, the token back to the driver);
 runtime/step.generate's in-process replays, which run ahead of the host, cost 63 us on the same machine."""
