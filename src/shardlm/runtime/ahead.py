@@ -9,9 +9,8 @@ copied back behind an event) and read later: `serve_steps` launches step n + 1, 
 the GPU take it from `held` (each slot's last launched argmax), and only then reads step n. A row gets the tokens
 it would get read at once: the same replay fed the same token, and a row's argmax is its own.
 
-Inputs go through pinned staging buffers, two used in turn, each launch's block contiguous (a copy from pageable
-memory, which a non-contiguous pinned slice becomes, may wait for the GPU's work in flight and undo the overlap). At
-most two launched steps are unread at a time and they are read in order (step n right after step n + 1 is
+Inputs go in through the graphs' pinned staging (SlotGraphs.stage), tokens come back through pinned buffers used in
+turn: at most two launched steps are unread at a time and they are read in order (step n right after step n + 1 is
 launched), so a buffer is written again only after the step that used it has been read.
 """
 
@@ -61,10 +60,6 @@ class RunAhead:
         self.cuda = dev.type == "cuda"
         self.held = torch.zeros(n, dtype=torch.long, device=dev)
         """Each slot's token from the last step launched for it."""
-        self.staging = [torch.zeros(4 * n, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
-        """Per launch, in turn, its first 4 x rows values as (4, rows): tokens, positions, rows fed from `held`,
-        rows that decode."""
-        self.inputs = torch.zeros(4 * n, dtype=torch.long, device=dev)
         self.outputs = [torch.zeros(n, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.latest: dict[int, int] = {}
         """slot -> the id of the last launched step that decoded it, while that step is unread."""
@@ -82,20 +77,6 @@ class RunAhead:
                 and self.runner.reports and not self.graphs.failed
                 and all(d.params.temperature == 0 and d.logprobs is None for d in step.decodes))
 
-    def _stage(self, step: Step, rows: int) -> torch.Tensor:
-        """The step's inputs, written to this launch's pinned buffer and copied to the device: (4, rows)."""
-        tokens, positions = [0] * rows, [self.graphs.cache.max_len - 1] * rows  # idle rows: their slot's end
-        held, decoding = [0] * rows, [0] * rows
-        for d in step.decodes:
-            from_gpu = d.token is None and d.slot in self.latest
-            tokens[d.slot] = 0 if from_gpu else self.runner.fed_token(d)
-            positions[d.slot], held[d.slot], decoding[d.slot] = d.position, int(from_gpu), 1
-        stage = self.staging[self.launches % 2][:4 * rows].view(4, rows)  # contiguous, pinned on a GPU
-        stage.copy_(torch.tensor([tokens, positions, held, decoding], dtype=torch.long))
-        inputs = self.inputs[:4 * rows].view(4, rows)
-        inputs.copy_(stage, non_blocking=True)
-        return inputs
-
     @torch.inference_mode()
     def launch(self, step: Step) -> Launched | None:
         """Replay `step` and take its rows' argmax on the device without reading them; None when its graph could
@@ -103,11 +84,11 @@ class RunAhead:
         if len(self.unread) > 1:
             raise RuntimeError(f"{len(self.unread)} launched steps are unread; read one before launching another")
         t0, graphs = time.perf_counter(), self.graphs
-        slots = [d.slot for d in step.decodes]
-        rows, length = graphs.shape(slots, [d.position for d in step.decodes])
-        inputs = self._stage(step, rows)  # (4, rows)
-        graphs.tokens[:rows, 0] = torch.where(inputs[2].bool(), self.held[:rows], inputs[0])
-        graphs.positions[:rows, 0] = inputs[1]
+        slots, positions = [d.slot for d in step.decodes], [d.position for d in step.decodes]
+        tokens = [None if d.token is None and d.slot in self.latest else self.runner.fed_token(d)
+                  for d in step.decodes]  # None: still on the device, in `held`
+        rows, length = graphs.shape(slots, positions)
+        inputs = graphs.stage(slots, positions, tokens, self.held)  # (4, rows)
         got = graphs._graph(rows, length)
         if got is None:
             return None

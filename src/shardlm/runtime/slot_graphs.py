@@ -11,7 +11,8 @@ buffers, so a step of the engine is made shape-static here:
   keys <= p, written in the same pass), so an idle row never changes what a live request sees;
 - length: each row attends over the first `length` positions of its slot (max position + 1 rounded up to
   BUCKET), under a mask built inside the graph from the positions (and the sliding window);
-- inputs are copied into fixed device buffers before each replay; logits come out in a fixed buffer.
+- inputs are copied into fixed device buffers before each replay (`stage`, through pinned buffers used in turn:
+  a copy from pageable memory may wait for the GPU's work in flight); logits come out in a fixed buffer.
 
 One graph per (rows, length), captured when first needed and kept (at most KEEP, least recently used first out),
 all in one memory pool (replays never overlap). A capture that fails leaves the engine decoding eagerly.
@@ -65,6 +66,10 @@ class SlotGraphs:
         self.pool = None
         self.failed = False
         """A capture failed: the rank decodes eagerly from then on."""
+        self.staging = [torch.zeros(4 * n, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
+        """Per staged step, in turn, its first 4 x rows values as (4, rows) (see `stage`)."""
+        self.inputs = torch.zeros(4 * n, dtype=torch.long, device=dev)
+        self.staged = 0
 
     def shape(self, slots: list[int], positions: list[int]) -> tuple[int, int]:
         """(rows, length) of the graph that serves these decode rows."""
@@ -109,18 +114,36 @@ class SlotGraphs:
         self.kept[key] = got
         return got
 
+    def stage(self, slots: list[int], positions: list[int], tokens: list[int | None],
+              held: torch.Tensor | None = None) -> torch.Tensor:
+        """Write decode rows' inputs (slot, position, token fed) into the graph's buffers for the shape that serves
+        them; idle rows get token 0 at their slot's last position. A token None takes held[slot] (held: (slots,) on
+        the device, tokens sampled there and not read back; runtime/ahead.py). Returns the staged values on the
+        device, (4, rows): tokens, positions, rows fed from `held`, rows that decode. Each step's values go through
+        a contiguous block of a pinned buffer, the two used in turn, so a buffer is written again only after the
+        step before last, whose copy is done once that step's tokens have been read."""
+        rows, _ = self.shape(slots, positions)
+        fed, at = [0] * rows, [self.cache.max_len - 1] * rows
+        from_held, decoding = [0] * rows, [0] * rows
+        for slot, position, token in zip(slots, positions, tokens):
+            fed[slot], at[slot] = (0 if token is None else token), position
+            from_held[slot], decoding[slot] = int(token is None), 1
+        stage = self.staging[self.staged % 2][:4 * rows].view(4, rows)
+        self.staged += 1
+        stage.copy_(torch.tensor([fed, at, from_held, decoding], dtype=torch.long))
+        inputs = self.inputs[:4 * rows].view(4, rows)
+        inputs.copy_(stage, non_blocking=True)
+        self.tokens[:rows, 0] = inputs[0] if held is None else torch.where(inputs[2].bool(), held[:rows], inputs[0])
+        self.positions[:rows, 0] = inputs[1]
+        return inputs
+
     def logits(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor | None:
         """Logits (b, 1, vocab) float32 of decode rows (slot, position, token fed), in their order; None when
         capturing failed (the caller runs the step eagerly)."""
         if self.failed:
             return None
         rows, length = self.shape(slots, positions)
-        feed = torch.zeros(rows, 1, dtype=torch.long)
-        at = torch.full((rows, 1), self.cache.max_len - 1, dtype=torch.long)  # idle rows: their slot's last position
-        feed[slots, 0] = torch.tensor(tokens, dtype=torch.long)
-        at[slots, 0] = torch.tensor(positions, dtype=torch.long)
-        self.tokens[:rows].copy_(feed, non_blocking=True)
-        self.positions[:rows].copy_(at, non_blocking=True)
+        self.stage(slots, positions, tokens)
         got = self._graph(rows, length)
         if got is None:
             return None
