@@ -13,6 +13,10 @@ its launch message; nothing below reads an environment variable itself. Variable
   new shape); default off. The engine's captured steps (runtime/slot_graphs.py) are not compiled.
 - ``SHARDLM_CUDA_JOIN``: ``0`` keeps q/k/v and gate/up as separate products on GPU ranks (default: one
   product each, runtime/projections.py).
+- ``SHARDLM_BATCH_INVARIANT``: ``0`` lets a GPU serving rank prefill several prompts' chunks in one forward pass
+  (sooner first tokens when many prompts arrive at once); by default each chunk runs in its own pass, as a GPU's
+  products round a row by the rows beside it (runtime/serve_step.py). CPU ranks always share passes (their kernels
+  round a row alike in any batch).
 - ``SHARDLM_OFFLOAD_UNCACHED``: ``1`` evicts streamed layers from the page cache after each use, so
   every step reads the disk (benchmarks of the worst case).
 - ``SHARDLM_COLLECTIVE_TIMEOUT_S``: how long a rank waits for its peers inside a collective, and the
@@ -83,6 +87,8 @@ class Settings:
     cuda_ahead: bool = True
     """On a serving rank with CUDA-graph decode, launch greedy decode steps before the one ahead of them is read
     back (runtime/ahead.py)."""
+    batch_invariant: bool = True
+    """On a GPU serving rank, each prompt chunk in its own forward pass (see SHARDLM_BATCH_INVARIANT)."""
     offload_uncached: bool = False
     """Evict streamed layers from the page cache after each use (benchmarks)."""
     collective_timeout_s: float = 300.0
@@ -103,6 +109,7 @@ class Settings:
                       cuda_compile=_flag(env, "SHARDLM_CUDA_COMPILE", False),
                       cuda_join=_flag(env, "SHARDLM_CUDA_JOIN", True),
                       cuda_ahead=_flag(env, "SHARDLM_CUDA_AHEAD", True),
+                      batch_invariant=_flag(env, "SHARDLM_BATCH_INVARIANT", True),
                       offload_uncached=_flag(env, "SHARDLM_OFFLOAD_UNCACHED", False),
                       collective_timeout_s=_seconds(env, "SHARDLM_COLLECTIVE_TIMEOUT_S", 300.0))
         return cls(**{**values, **overrides})

@@ -66,6 +66,20 @@ def test_batched_prefill_rows_equal_each_row_alone(random_dirs, name):
         tokens = {s: a[s].token for s in a}
 
 
+def test_a_rank_without_shared_prefill_runs_each_chunk_in_its_own_pass(random_dirs):
+    """GPU ranks (SHARDLM_BATCH_INVARIANT, the default) keep a chunk's product shapes its own: one pass per chunk."""
+    from dataclasses import replace
+
+    rank = build(random_dirs["gqa12x4"], kv=KVBudget(4, 64, 64))
+    chunks = (_prefill(0, [5] * 3), _prefill(1, [6] * 4), _prefill(2, [7] * 4))
+    shared = SlotRunner(rank, ParallelContext())._items(Step(1, (), chunks))
+    assert [[p.slot for p in item.work] for item in shared] == [[0, 1, 2]]
+    rank.kernels = replace(rank.kernels, shared_prefill=False)
+    alone = SlotRunner(rank, ParallelContext())._items(Step(1, (), chunks))
+    assert [[p.slot for p in item.work] for item in alone] == [[0], [1], [2]]
+    assert [tuple(item.tokens.shape) for item in alone] == [(1, 3), (1, 4), (1, 4)]
+
+
 def _decode_logits(runner: SlotRunner, slots: list[int], tokens: dict, positions: dict, step_id: int):
     """One decode step of `slots`; each row's logits (vocab,), captured where the runner samples."""
     got = []

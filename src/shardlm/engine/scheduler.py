@@ -5,7 +5,11 @@ requests into free KV-cache slots, first come first served, (3) gives every runn
 prompt is in the cache one decode token, and (4) spends the step's prefill budget (the Plan's
 `kv_cache.prefill_chunk` tokens) on pending prompts in admission order, a chunk at a time. So a long
 prompt delays the running streams by at most one chunk per step, and the KV cache is the Plan's
-`max_batch` slots of `max_seq_len` tokens, allocated once on the ranks and reused.
+`max_batch` slots of `max_seq_len` tokens, allocated once on the ranks and reused. A prompt's chunks are its own
+`[k * prefill_chunk, (k + 1) * prefill_chunk)` whatever else is pending (a chunk that does not fit what is left of
+the step's budget waits for the next step, and so do the requests behind it): where a chunk's numbers depend on
+how many tokens one pass holds (a GPU's products pick their kernels by shape), its tokens then do not depend on
+the other requests.
 
 Steps may be pipelined: the engine plans and sends step n + 1 before it applies step n's result, so the
 driver's work between steps (streaming tokens, stop strings, the next plan) overlaps the ranks' compute
@@ -106,13 +110,14 @@ class Scheduler:
         return starts
 
     def _prefills(self) -> tuple[Prefill, ...]:
+        """This step's prompt chunks: each request's next chunk, in admission order, while they fit the budget."""
         budget, out = self.prefill_chunk, []
         for r in self.running:
-            if budget <= 0:
-                break
             if r.done_prefill or r.finish_reason is not None:
                 continue
-            n = min(budget, len(r.prompt_ids) - r.prefilled)
+            n = min(self.prefill_chunk, len(r.prompt_ids) - r.prefilled)
+            if n > budget:
+                break
             start, end = r.prefilled, r.prefilled + n
             last = end == len(r.prompt_ids)
             p = r.params

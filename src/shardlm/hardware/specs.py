@@ -14,12 +14,13 @@ MiB = 2**20
 
 CALIBRATION_FILE = "calibration.json"
 
-CUDA_LAYER_OVERHEAD_S = 90e-6
+CUDA_LAYER_OVERHEAD_S = 65e-6
 """A decoder layer's fixed cost per decode step when the engine (`shardlm generate`, `serve`) replays the step as a
-CUDA graph (one-GPU ranks): 83.7-90.1 us per layer beyond the bandwidth term (weight bytes / 0.8 x datasheet
-bandwidth) for Llama-3.2-1B bfloat16 at batch 1 on one H200 (bench/gpu.py `--variants engine`, 2026-11-26 07:52 and
-07:57: 479.5 and 504.5 tok/s). It includes the engine's own step (scheduling, the token back to the driver);
-runtime/step.generate's in-process replays, which run ahead of the host, cost 63 us on the same machine."""
+CUDA graph (one-GPU ranks): 64.5 us per layer beyond the bandwidth term (weight bytes / 0.8 x datasheet bandwidth)
+for Llama-3.2-1B bfloat16 at batch 1 on one H100 (bench/gpu.py `--variants engine`, 2026-11-26 10:03-10:09: median
+511.6 tok/s, steps run ahead, runtime/ahead.py). It includes the engine's own step (scheduling, the token back to the
+driver). Without run-ahead the engine cost 83.7-90.1 us on an H200 (479.5-504.5 tok/s) and 81 us on the H100
+(450.2 tok/s); runtime/step.generate's in-process replays cost 63 us on the H200 and 61.5 us on the H100."""
 CUDA_EAGER_LAYER_OVERHEAD_S = 750e-6
 """The same when the host issues every kernel (tensor- or pipeline-parallel GPU ranks and streamed
 layers, which the runtime does not capture): 0.72-0.75 ms per layer on that H100 machine's host.

@@ -29,6 +29,9 @@ class KernelChoice:
     """Layers whose q/k/v and gate/up run as one product each (GPU, runtime/projections.py)."""
     run_ahead: bool = False
     """The serving engine's greedy decode steps launch before the step ahead of them is read (runtime/ahead.py)."""
+    shared_prefill: bool = True
+    """Serving: prompt chunks of several requests may share a forward pass; False on GPU ranks by default, where a
+    product's rounding of a row depends on the rows beside it (SHARDLM_BATCH_INVARIANT; runtime/serve_step.py)."""
 
     def describe(self) -> str:
         """e.g. "gemv, fused decode in 30 layers"."""
@@ -41,6 +44,8 @@ class KernelChoice:
             parts.append("compiled CUDA-graph decode" if self.compiled else "CUDA-graph decode")
         if self.run_ahead:
             parts.append("serving steps run ahead")
+        if not self.shared_prefill:
+            parts.append("a prompt chunk per pass")
         return ", ".join(parts)
 
 

@@ -1,7 +1,9 @@
 """Run one engine step on a rank: prefill chunks and decode tokens in KV-cache slots, sample, report.
 
 Every rank of the plan runs the same Step (the driver hands it to each). Work items run in order: the
-prefill chunks, several slots per forward pass (right-padded to one width, see `prefill_groups`), then
+prefill chunks, several slots per forward pass on CPU ranks (right-padded to one width, see `prefill_groups`;
+on a GPU each chunk in its own pass unless SHARDLM_BATCH_INVARIANT=0, as cuBLAS picks its kernels, and so a row's
+rounding, by the rows a product holds: bench/RESULTS.md, "Batch invariance on a GPU"), then
 the decode rows as micro-batches (one group without pipeline stages; a CUDA graph replay on a one-GPU rank,
 runtime/slot_graphs.py). With stages, stage 0 embeds an
 item, runs its layers and sends the hidden states on without waiting, so the stages work on different
@@ -160,7 +162,11 @@ class SlotRunner:
         return StepResult(step.id, out, seconds) if self.reports else None
 
     def _items(self, step: Step) -> list[_Item]:
-        items = [self._prefill_item(group) for group in prefill_groups(step.prefills, self.cache.max_len)]
+        if self.rank.kernels.shared_prefill:
+            groups = prefill_groups(step.prefills, self.cache.max_len)
+        else:  # a GPU's products pick kernels by shape: one chunk a pass keeps a chunk's numbers its own
+            groups = [[p] for p in step.prefills]
+        items = [self._prefill_item(group) for group in groups]
         decodes = list(step.decodes)
         groups = min(len(decodes), self.micro_batches or self.rank.spec.pp)
         for a, b in (micro_batch_rows(len(decodes), groups) if decodes else []):

@@ -1,0 +1,134 @@
+"""Which GPU kernels make a row's bfloat16 result depend on the rows beside it, and which engine schedules do.
+
+Written after an H200 run in which 8 copies of one prompt in one engine batch decoded different tokens
+(bench/RESULTS.md, 2026-11-26). Two parts, one JSON:
+
+- kernels: row 0 of a bf16 product (Llama-3.2-1B's widths) computed inside batches of M rows and compared bit for
+  bit with M = 1; the same for attention (SDPA) of one query over a masked key length;
+- engine: Llama-3.2-1B's shapes with random bfloat16 weights, 8 copies of one prompt in one batch of the engine
+  (as bench/gpu.py engine-b8), with the engine's defaults, without run-ahead, eager, and with prefill chunks
+  sharing passes: each row's first token unlike row 0's and unlike the prompt decoded alone.
+
+Usage (needs a CUDA GPU): python bench/gpu_invariance.py --out gpu-out/invariance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def _rows_equal_alone(fn, rows: list[int]) -> dict[int, float]:
+    """For each M: max |row 0 in a batch of M - row 0 alone| (0.0 means bit-identical)."""
+    alone = fn(1)
+    return {m: float((fn(m)[0].float() - alone[0].float()).abs().max()) for m in rows}
+
+
+def kernels(dim: int = 2048, hidden: int = 8192, rows=(1, 2, 3, 4, 8, 16, 40, 120, 320)) -> dict:
+    """Row 0 of bf16 products and attention in batches of M rows against M = 1."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    w_up = torch.randn(hidden, dim, device=dev, dtype=bf, generator=g) * 0.02
+    w_down = torch.randn(dim, hidden, device=dev, dtype=bf, generator=g) * 0.02
+    x0 = torch.randn(1, dim, device=dev, dtype=bf, generator=g)
+    xh0 = torch.randn(1, hidden, device=dev, dtype=bf, generator=g)
+    fill = torch.randn(max(rows), hidden, device=dev, dtype=bf, generator=g)
+
+    def up(m):
+        return F.linear(torch.cat([x0, fill[:m - 1, :dim]]), w_up)
+
+    def down(m):
+        return F.linear(torch.cat([xh0, fill[:m - 1]]), w_down)
+
+    out = {"up 2048->8192": _rows_equal_alone(up, list(rows)), "down 8192->2048": _rows_equal_alone(down, list(rows))}
+    for name, n in (("q/k/v joined 2048->3072", 3072), ("gate/up joined 2048->16384", 16384), ("head 2048->128256",
+                                                                                              128256)):
+        w = torch.randn(n, dim, device=dev, dtype=bf, generator=g) * 0.02
+        out[name] = _rows_equal_alone(lambda m, w=w: F.linear(torch.cat([x0, fill[:m - 1, :dim]]), w), list(rows))
+    flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    out["down, no reduced-precision reduction"] = _rows_equal_alone(down, list(rows))
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
+    out["attention"] = attention()
+    return out
+
+
+def attention(heads: int = 32, kv_heads: int = 8, hd: int = 64, real: int = 40) -> dict:
+    """One query row over `real` keys, in batches of b rows and key lengths padded (masked) to t: diff vs b=1, t=real."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dev, bf = "cuda", torch.bfloat16
+    q0 = torch.randn(1, heads, 1, hd, device=dev, dtype=bf, generator=g)
+    k0 = torch.randn(1, kv_heads, 512, hd, device=dev, dtype=bf, generator=g)
+    v0 = torch.randn(1, kv_heads, 512, hd, device=dev, dtype=bf, generator=g)
+
+    def run(b, t):
+        q = torch.cat([q0, torch.randn(b - 1, heads, 1, hd, device=dev, dtype=bf, generator=g)])
+        k = torch.cat([k0[:, :, :t], torch.randn(b - 1, kv_heads, t, hd, device=dev, dtype=bf, generator=g)])
+        v = torch.cat([v0[:, :, :t], torch.randn(b - 1, kv_heads, t, hd, device=dev, dtype=bf, generator=g)])
+        mask = (torch.arange(t, device=dev) < real)[None, None, None, :].expand(b, 1, 1, t)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    alone = run(1, real)
+    return {f"b{b} t{t}": float((run(b, t)[0].float() - alone[0].float()).abs().max())
+            for b in (1, 8) for t in (real, 64, 128, 256)}
+
+
+def engine(folder: Path) -> dict:
+    """8 copies of one 40-token prompt decode 128 tokens together (as bench/gpu.py engine-b8 does): each row's first
+    token unlike row 0's and unlike the prompt decoded alone, under each engine setting."""
+    from shardlm.engine import LocalEngine
+    from shardlm.models.args import read_config
+    from shardlm.plan.plan import KVBudget
+    from shardlm.engine.session import plan_run
+    from shardlm.plan.run import RunFlags
+    from shardlm.runtime.protocol import SamplingParams
+    from shardlm.settings import Settings
+
+    vocab = read_config(folder)["vocab_size"]
+    prompt = torch.randint(3, vocab, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    plan, source = plan_run(str(folder), RunFlags(device="cuda", dtype="bfloat16"), kv=KVBudget(8, 1024, 512))
+    out = {}
+    for name, env in (("default", {}), ("no run-ahead", dict(cuda_ahead=False)), ("eager", dict(cuda_graphs=False)),
+                      ("shared prefill passes", dict(batch_invariant=False))):
+        with LocalEngine(plan, source, settings=Settings.from_env(**env), timeout_s=300) as eng:
+            alone = eng.generate([prompt], 128, SamplingParams(), ignore_eos=True).token_ids[0]
+            rows = eng.generate([prompt] * 8, 128, SamplingParams(), ignore_eos=True).token_ids
+        out[name] = {"vs alone": [_first_diff(r, alone) for r in rows], "vs row 0": [_first_diff(r, rows[0]) for r in rows]}
+        print(name, json.dumps(out[name]), flush=True)
+    return out
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def main() -> None:
+    """Run both parts and write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu-out/invariance.json")
+    a = ap.parse_args()
+    from shardlm.models.presets import PRESETS
+    from shardlm.models.random import write_random_checkpoint
+
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": kernels()}
+    print(json.dumps(result["kernels"], indent=1), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_random_checkpoint(PRESETS["llama-3.2-1b"], Path(tmp) / "m", dtype=torch.bfloat16)
+        result["engine"] = engine(folder)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
