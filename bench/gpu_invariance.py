@@ -64,7 +64,7 @@ def kernels(dim: int = 2048, hidden: int = 8192, rows=(1, 2, 3, 4, 8, 16, 40, 12
 
 
 def attention(heads: int = 32, kv_heads: int = 8, hd: int = 64, real: int = 40) -> dict:
-    """One query row over `real` keys, in batches of b rows and key lengths padded (masked) to t: diff vs b=1, t=real."""
+    """One query row over `real` keys, in batches of b rows, keys padded (masked) to t: diff vs b = 1, t = real."""
     g = torch.Generator(device="cuda").manual_seed(1)
     dev, bf = "cuda", torch.bfloat16
     q0 = torch.randn(1, heads, 1, hd, device=dev, dtype=bf, generator=g)
@@ -100,10 +100,11 @@ def engine(folder: Path) -> dict:
     out = {}
     for name, env in (("default", {}), ("no run-ahead", dict(cuda_ahead=False)), ("eager", dict(cuda_graphs=False)),
                       ("shared prefill passes", dict(batch_invariant=False))):
-        with LocalEngine(plan, source, settings=Settings.from_env(**env), timeout_s=300) as eng:
+        with LocalEngine(plan, source, settings=Settings.from_env({}, **env), timeout_s=300) as eng:
             alone = eng.generate([prompt], 128, SamplingParams(), ignore_eos=True).token_ids[0]
             rows = eng.generate([prompt] * 8, 128, SamplingParams(), ignore_eos=True).token_ids
-        out[name] = {"vs alone": [_first_diff(r, alone) for r in rows], "vs row 0": [_first_diff(r, rows[0]) for r in rows]}
+        out[name] = {"vs alone": [_first_diff(r, alone) for r in rows],
+                     "vs row 0": [_first_diff(r, rows[0]) for r in rows]}
         print(name, json.dumps(out[name]), flush=True)
     return out
 

@@ -13,10 +13,11 @@ its launch message; nothing below reads an environment variable itself. Variable
   new shape); default off. The engine's captured steps (runtime/slot_graphs.py) are not compiled.
 - ``SHARDLM_CUDA_JOIN``: ``0`` keeps q/k/v and gate/up as separate products on GPU ranks (default: one
   product each, runtime/projections.py).
-- ``SHARDLM_BATCH_INVARIANT``: ``0`` lets a GPU serving rank prefill several prompts' chunks in one forward pass
-  (sooner first tokens when many prompts arrive at once); by default each chunk runs in its own pass, as a GPU's
-  products round a row by the rows beside it (runtime/serve_step.py). CPU ranks always share passes (their kernels
-  round a row alike in any batch).
+- ``SHARDLM_BATCH_INVARIANT``: ``0`` lets a one-GPU serving rank with CUDA-graph decode prefill several prompts'
+  chunks in one forward pass, and the engine fill each step's prefill budget by cutting chunks short (sooner
+  first tokens when many prompts arrive at once); by default each chunk is its prompt's own and runs in its own
+  pass, as a GPU's products round a row by the rows beside it (runtime/serve_step.py, engine/scheduler.py). Other
+  ranks always share passes (CPU kernels round a row alike in any batch).
 - ``SHARDLM_OFFLOAD_UNCACHED``: ``1`` evicts streamed layers from the page cache after each use, so
   every step reads the disk (benchmarks of the worst case).
 - ``SHARDLM_COLLECTIVE_TIMEOUT_S``: how long a rank waits for its peers inside a collective, and the
@@ -88,7 +89,7 @@ class Settings:
     """On a serving rank with CUDA-graph decode, launch greedy decode steps before the one ahead of them is read
     back (runtime/ahead.py)."""
     batch_invariant: bool = True
-    """On a GPU serving rank, each prompt chunk in its own forward pass (see SHARDLM_BATCH_INVARIANT)."""
+    """On a one-GPU serving rank, each prompt chunk its own and in its own pass (see SHARDLM_BATCH_INVARIANT)."""
     offload_uncached: bool = False
     """Evict streamed layers from the page cache after each use (benchmarks)."""
     collective_timeout_s: float = 300.0

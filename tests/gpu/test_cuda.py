@@ -264,6 +264,7 @@ def test_copies_of_one_prompt_in_one_engine_batch_decode_the_same_tokens(random_
     prompt = _prompts(read_config(folder)["vocab_size"], [40], seed=7)[0]
     plan, source = plan_for(folder, device="cuda", dtype=dtype, kv=KVBudget(8, 256, 128))
     with LocalEngine(plan, source, timeout_s=300) as engine:
+        assert engine.scheduler.anchored and engine.ready[0]["prefill_alone"]  # a prompt's chunks are its own
         alone = engine.generate([prompt], 48, SamplingParams(), ignore_eos=True).token_ids[0]
         rows = engine.generate([prompt] * 8, 48, SamplingParams(), ignore_eos=True).token_ids
     first_diff = {j: next((i for i, (a, b) in enumerate(zip(row, alone)) if a != b), None)

@@ -138,7 +138,7 @@ def test_ranks_beyond_the_cores_run_in_waves():
 
 def test_gpu_layouts_without_cuda_graphs_pay_the_eager_layer_cost():
     """One GPU: the engine replays decode steps as CUDA graphs (runtime/slot_graphs.py), so the plan pays the replay
-    cost per layer (90 us, the engine measured on an H200); tp 2 issues kernels from the host and pays the eager
+    cost per layer (65 us, the engine measured on an H100); tp 2 issues kernels from the host and pays the eager
     one (~0.75 ms per layer on an H100 machine's host)."""
     from shardlm.hardware import CUDA_EAGER_LAYER_OVERHEAD_S, CUDA_LAYER_OVERHEAD_S
 

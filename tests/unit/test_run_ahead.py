@@ -94,6 +94,22 @@ def test_steps_run_ahead_give_every_request_the_plain_loops_tokens(rank, bundled
     assert runner.ahead.overlapped > 0, "no step was launched while the one before it was unread"
     assert runner.ahead.launches < runner.clock.count, "every step ran ahead: none was sampled or prefilled"
     assert not runner.ahead.unread and not runner.ahead.latest
+    _metrics_count_the_steps_run_ahead(bundled_dir, rank, runner)
+
+
+def _metrics_count_the_steps_run_ahead(folder, rank, runner) -> None:
+    """/metrics' run-ahead counters are the rank's own (the ranks' poll carries them)."""
+    from refs import plan_for
+    from shardlm.runtime.worker import rank_stats
+    from shardlm.serve.metrics import rank_families
+
+    plan, _ = plan_for(folder, kv=KVBudget(SLOTS, MAX_LEN, CHUNK))
+    stats = rank_stats(rank, ParallelContext(), runner)
+    fams = {f.name: f for f in rank_families([stats], [rank.spec], plan)
+            if f.name.startswith("shardlm_rank_steps_run_ahead")}
+    got = {name: [s.value for s in f.samples if s.name.endswith("_total")] for name, f in fams.items()}
+    assert got == {"shardlm_rank_steps_run_ahead": [runner.ahead.launches],
+                   "shardlm_rank_steps_run_ahead_overlapped": [runner.ahead.overlapped]}
 
 
 def test_a_capture_that_fails_inside_a_launch_leaves_every_request_its_tokens(rank, bundled_dir, on_cpu,

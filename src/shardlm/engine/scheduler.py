@@ -5,11 +5,13 @@ requests into free KV-cache slots, first come first served, (3) gives every runn
 prompt is in the cache one decode token, and (4) spends the step's prefill budget (the Plan's
 `kv_cache.prefill_chunk` tokens) on pending prompts in admission order, a chunk at a time. So a long
 prompt delays the running streams by at most one chunk per step, and the KV cache is the Plan's
-`max_batch` slots of `max_seq_len` tokens, allocated once on the ranks and reused. A prompt's chunks are its own
-`[k * prefill_chunk, (k + 1) * prefill_chunk)` whatever else is pending (a chunk that does not fit what is left of
-the step's budget waits for the next step, and so do the requests behind it): where a chunk's numbers depend on
-how many tokens one pass holds (a GPU's products pick their kernels by shape), its tokens then do not depend on
-the other requests.
+`max_batch` slots of `max_seq_len` tokens, allocated once on the ranks and reused. Chunks fill the step's budget
+(a prompt's chunk may be cut short by what the prompts before it took), unless `anchored`: then a prompt's chunks
+are its own `[k * prefill_chunk, (k + 1) * prefill_chunk)` whatever else is pending, and a chunk that does not fit
+what is left of the budget waits for the next step (later, shorter ones may fill the gap; the first prompt still
+prefilling always fits). The engine anchors chunks where the ranks run each chunk in a pass of its own (one GPU,
+SHARDLM_BATCH_INVARIANT): a GPU's products pick their kernels by shape, so a chunk's prefill numbers then do not
+depend on the other requests.
 
 Steps may be pipelined: the engine plans and sends step n + 1 before it applies step n's result, so the
 driver's work between steps (streaming tokens, stop strings, the next plan) overlaps the ranks' compute
@@ -35,8 +37,11 @@ from shardlm.runtime.work import Decode, Prefill, Sampled, SlotStart, Step, Step
 class Scheduler:
     """Requests waiting and running, the free slots, and the step that comes next."""
 
-    def __init__(self, slots: int, max_seq_len: int, prefill_chunk: int, eos_ids: tuple[int, ...]):
+    def __init__(self, slots: int, max_seq_len: int, prefill_chunk: int, eos_ids: tuple[int, ...],
+                 anchored: bool = False):
         self.max_seq_len, self.prefill_chunk, self.eos_ids = max_seq_len, prefill_chunk, eos_ids
+        self.anchored = anchored
+        """Prompt chunks start at multiples of `prefill_chunk` (see the module docstring)."""
         self.free = list(range(slots - 1, -1, -1))  # pop() takes the lowest slot
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -110,14 +115,17 @@ class Scheduler:
         return starts
 
     def _prefills(self) -> tuple[Prefill, ...]:
-        """This step's prompt chunks: each request's next chunk, in admission order, while they fit the budget."""
+        """This step's prompt chunks, in admission order, within the budget (see the module docstring)."""
         budget, out = self.prefill_chunk, []
         for r in self.running:
+            if budget <= 0:
+                break
             if r.done_prefill or r.finish_reason is not None:
                 continue
-            n = min(self.prefill_chunk, len(r.prompt_ids) - r.prefilled)
+            left = len(r.prompt_ids) - r.prefilled
+            n = min(self.prefill_chunk, left) if self.anchored else min(budget, left)
             if n > budget:
-                break
+                continue  # anchored: its next chunk waits for a step with room for all of it
             start, end = r.prefilled, r.prefilled + n
             last = end == len(r.prompt_ids)
             p = r.params

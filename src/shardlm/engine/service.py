@@ -100,6 +100,8 @@ class Engine:
         if self.tokenizer is None and has_tokenizer(Path(self.source.folder)):
             self.tokenizer = load_tokenizer(Path(self.source.folder))  # token-id prompts need none
         self.group.wait_ready()
+        # ranks that prefill each chunk in a pass of its own want chunks that are each prompt's own (scheduler.py)
+        self.scheduler.anchored = all(r.get("prefill_alone", False) for r in self.group.ready)
         self._thread = threading.Thread(target=self._loop, name="shardlm-scheduler", daemon=True)
         self._thread.start()
         self.started = True

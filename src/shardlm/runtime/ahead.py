@@ -70,6 +70,10 @@ class RunAhead:
         self.overlapped = 0
         """Launches made while another step was unread (the GPU had work queued)."""
 
+    def counts(self) -> dict[str, int]:
+        """Steps launched ahead so far, and of those the ones launched while another was unread (for /metrics)."""
+        return {"launched": self.launches, "overlapped": self.overlapped}
+
     def accepts(self, step: Step) -> bool:
         """Whether `step` can run ahead: decode rows only, all greedy without logprobs, no counters asked for, on
         the rank that reports tokens, with graphs that have not failed."""

@@ -348,7 +348,7 @@ def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype
         if joined:
             torch.cuda.empty_cache()  # the separate weights the joined tensors replaced
         return KernelChoice("cuda", 0, graphs, graphs and settings.cuda_compile, joined, graphs and settings.cuda_ahead,
-                            not settings.batch_invariant)
+                            not (graphs and settings.batch_invariant))
     mode, ext = choose_mode(settings.kernels, settings.kernel_dir)
     install_linears(model, mode, ext, keep=mapped)
     fused = install_fused(model, ext, dtype, fixed=not streaming) if settings.fused and mode == "gemv" else 0

@@ -30,8 +30,9 @@ class KernelChoice:
     run_ahead: bool = False
     """The serving engine's greedy decode steps launch before the step ahead of them is read (runtime/ahead.py)."""
     shared_prefill: bool = True
-    """Serving: prompt chunks of several requests may share a forward pass; False on GPU ranks by default, where a
-    product's rounding of a row depends on the rows beside it (SHARDLM_BATCH_INVARIANT; runtime/serve_step.py)."""
+    """Serving: prompt chunks of several requests may share a forward pass; False on one-GPU ranks with CUDA-graph
+    decode by default, where a product's rounding of a row depends on the rows beside it (SHARDLM_BATCH_INVARIANT;
+    runtime/serve_step.py)."""
 
     def describe(self) -> str:
         """e.g. "gemv, fused decode in 30 layers"."""

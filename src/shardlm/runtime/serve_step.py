@@ -1,15 +1,14 @@
 """Run one engine step on a rank: prefill chunks and decode tokens in KV-cache slots, sample, report.
 
 Every rank of the plan runs the same Step (the driver hands it to each). Work items run in order: the
-prefill chunks, several slots per forward pass on CPU ranks (right-padded to one width, see `prefill_groups`;
-on a GPU each chunk in its own pass unless SHARDLM_BATCH_INVARIANT=0, as cuBLAS picks its kernels, and so a row's
-rounding, by the rows a product holds: bench/RESULTS.md, "Batch invariance on a GPU"), then
-the decode rows as micro-batches (one group without pipeline stages; a CUDA graph replay on a one-GPU rank,
-runtime/slot_graphs.py). With stages, stage 0 embeds an
-item, runs its layers and sends the hidden states on without waiting, so the stages work on different
-items at the same time; the last stage samples. Rows sample with their own request's settings and
-random stream (seeded when the request took its slot), so a request's tokens do not depend on the rows
-beside it.
+prefill chunks, several slots per forward pass (right-padded to one width, see `prefill_groups`; on a one-GPU
+rank with CUDA-graph decode each chunk in its own pass unless SHARDLM_BATCH_INVARIANT=0, as cuBLAS picks its
+kernels, and so a row's rounding, by the rows a product holds: bench/RESULTS.md, "GPU: run-ahead and batch
+invariance on an H100"), then the decode rows as micro-batches (one group without pipeline stages; a CUDA graph
+replay on a one-GPU rank, runtime/slot_graphs.py). With stages, stage 0 embeds an item, runs its layers and
+sends the hidden states on without waiting, so the stages work on different items at the same time; the last
+stage samples. Rows sample with their own request's settings and random stream (seeded when the request took its
+slot), so a request's tokens do not depend on the rows beside it.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def _ready_report(rank: RankModel, device: str, runner: SlotRunner) -> dict[str,
             "peak_gpu_bytes": peak_gpu_bytes(device), "rss_before_load_bytes": rank.stats.rss_before_load,
             "weight_bytes": rank.resident_bytes(), "streamed_layers": list(rank.streamed),
             "streamed_bytes_per_step": rank.streamed_bytes_per_step(), "kernels": rank.kernels.describe(),
-            "kv_cache_bytes": runner.cache.nbytes()}
+            "kv_cache_bytes": runner.cache.nbytes(), "prefill_alone": not rank.kernels.shared_prefill}
 
 
 def _serve(launch: RankLaunch, inbox, outbox, listener) -> None:
@@ -187,7 +187,8 @@ def _weight_counts(rank: RankModel, runner: SlotRunner) -> dict[str, int]:
 
 def rank_stats(rank: RankModel, ctx: ParallelContext, runner: SlotRunner,
                fixed: dict[str, int] | None = None) -> dict[str, Any]:
-    """This rank's counters so far: memory, collectives per op, streaming (`fixed`: those counted at load)."""
+    """This rank's counters so far: memory, collectives per op, streaming, steps run ahead (`fixed`: those counted
+    at load)."""
     streamer, device = rank.streamer, str(rank.device)
     gpu = device.startswith("cuda")
     fixed = fixed or _weight_counts(rank, runner)
@@ -195,7 +196,8 @@ def rank_stats(rank: RankModel, ctx: ParallelContext, runner: SlotRunner,
             "comms": ctx.snapshot(), **fixed, "steps": runner.clock.as_dict(),
             "gpu_allocated_bytes": int(torch.cuda.memory_allocated(device)) if gpu else None,
             "gpu_reserved_bytes": int(torch.cuda.memory_reserved(device)) if gpu else None,
-            "streaming": streamer.stats.as_dict() if streamer is not None else None}
+            "streaming": streamer.stats.as_dict() if streamer is not None else None,
+            "run_ahead": runner.ahead.counts() if runner.ahead is not None else None}
 
 
 def rss_bytes() -> int:

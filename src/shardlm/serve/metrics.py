@@ -10,7 +10,7 @@ Three sources, none of which stalls decode:
   (no round trip of its own), and they are rendered to text once per poll (`RankExposition`): memory by kind
   beside the plan's prediction and the device's capacity, traffic per link, step time per stage (a histogram
   each rank keeps, with the plan's predicted stage time beside it), measured balance against the plan's limit,
-  and the prefetch hit rate of ranks that stream offloaded layers.
+  the prefetch hit rate of ranks that stream offloaded layers, and the decode steps a one-GPU rank ran ahead.
 
 Names are `shardlm_*` with underscores only, so `promtool check metrics` passes (vLLM's `vllm:` names
 do not). Traffic per link (src -> dst): a collective among a tensor-parallel group is counted on each
@@ -168,8 +168,25 @@ def _rank_labels(spec) -> list[str]:
 
 
 def rank_families(stats: list[dict], specs: list, plan) -> list:
-    """Metric families of one rank poll: memory by kind, traffic per link, step time per stage."""
-    return [*_memory(stats, specs, plan), *_links(stats, specs), *_steps(stats, specs, plan), *_offload(stats, specs)]
+    """Metric families of one rank poll: memory by kind, traffic per link, step time per stage, offloaded layers'
+    streaming, decode steps run ahead."""
+    return [*_memory(stats, specs, plan), *_links(stats, specs), *_steps(stats, specs, plan), *_offload(stats, specs),
+            *_run_ahead(stats, specs)]
+
+
+def _run_ahead(stats: list[dict], specs: list) -> list:
+    """Decode steps a one-GPU rank launched before reading back the step ahead of them (runtime/ahead.py)."""
+    labels = ["rank", "stage", "tp_rank", "device"]
+    launched = CounterMetricFamily("shardlm_rank_steps_run_ahead", "Greedy decode steps a one-GPU rank launched on "
+                                   "its run-ahead path (argmax on the GPU, tokens read back later).", labels=labels)
+    overlapped = CounterMetricFamily("shardlm_rank_steps_run_ahead_overlapped", "Of those, steps launched before the "
+                                     "step ahead of them had been read back.", labels=labels)
+    for s, spec in zip(stats, specs):
+        counts = s.get("run_ahead")
+        if counts:
+            launched.add_metric(_rank_labels(spec), counts["launched"])
+            overlapped.add_metric(_rank_labels(spec), counts["overlapped"])
+    return [launched, overlapped]
 
 
 def _offload(stats: list[dict], specs: list) -> list:
