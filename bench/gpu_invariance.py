@@ -7,7 +7,9 @@ Written after an H200 run in which 8 copies of one prompt in one engine batch de
   bit with M = 1; the same for attention (SDPA) of one query over a masked key length;
 - engine: Llama-3.2-1B's shapes with random bfloat16 weights, 8 copies of one prompt in one batch of the engine
   (as bench/gpu.py engine-b8), with the engine's defaults, without run-ahead, eager, and with prefill chunks
-  sharing passes: each row's first token unlike row 0's and unlike the prompt decoded alone.
+  sharing passes: each row's first token unlike row 0's and unlike the prompt decoded alone;
+- in process: the rank's loop and the engine's driver in one process, every decode replay over the rows in use or
+  over all slots (no setting turns that on), each run twice to show a kernel that is not deterministic.
 
 Usage (needs a CUDA GPU): python bench/gpu_invariance.py --out gpu-out/invariance.json
 """
@@ -109,6 +111,81 @@ def engine(folder: Path) -> dict:
     return out
 
 
+def in_process(folder: Path, device: str = "cuda:0", new: int = 128) -> dict:
+    """The rank's loop (`serve_steps`, run-ahead included) and the engine's pipelined driver in one process, so that a
+    knob without a setting can be turned: every decode replay over all slots. One prompt alone, then 8 copies, the
+    first alone in step 0 and the rest arriving over steps 1-3; each variant twice (a run unlike the one before it
+    is a kernel that is not deterministic)."""
+    from shardlm.engine.session import plan_run
+    from shardlm.parallel.context import ParallelContext
+    from shardlm.plan.plan import KVBudget
+    from shardlm.plan.run import RunFlags
+    from shardlm.runtime import slot_graphs
+    from shardlm.runtime.build import build_rank_model
+    from shardlm.runtime.serve_step import SlotRunner
+    from shardlm.settings import Settings
+
+    dev = "cuda" if device.startswith("cuda") else "cpu"
+    plan, source = plan_run(str(folder), RunFlags(device=dev, dtype="bfloat16"), kv=KVBudget(8, 1024, 512))
+    rank = build_rank_model(plan.rank_spec(0), source, ParallelContext(), Settings.from_env({}), device, "mmap")
+    vocab = source.args.vocab_size
+    prompt = torch.randint(3, vocab, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    arrivals = [0] + [1 + i // 3 for i in range(7)]
+    shape = slot_graphs.SlotGraphs.shape
+    out = {}
+    for name, all_rows in (("rows in use", False), ("all slots", True)):
+        slot_graphs.SlotGraphs.shape = (lambda self, s, p: (self.cache.slots, shape(self, s, p)[1])) if all_rows \
+            else shape
+        try:
+            runs = [_drive(SlotRunner(rank, ParallelContext()), prompt, when, new)
+                    for when in ([0], arrivals, arrivals)]
+        finally:
+            slot_graphs.SlotGraphs.shape = shape
+        alone, rows, again = runs[0][0], runs[1], runs[2]
+        out[name] = {"vs alone": [_first_diff(r, alone) for r in rows],
+                     "second run vs first": [_first_diff(a, b) for a, b in zip(again, rows)]}
+        print("in process,", name, json.dumps(out[name]), flush=True)
+    return out
+
+
+def _drive(runner, prompt: list[int], arrivals: list[int], new: int) -> list[list[int]]:
+    """Greedy requests of `prompt`, request i added before step arrivals[i], through `serve_steps` in a thread and
+    the engine's pipelined driver (engine/service.py) with anchored chunks; their tokens."""
+    import queue
+    import threading
+
+    from shardlm.engine.requests import GenerationParams, Request
+    from shardlm.engine.scheduler import Scheduler
+    from shardlm.runtime.ahead import serve_steps
+
+    inbox, outbox = queue.Queue(), queue.Queue()
+    loop = threading.Thread(target=serve_steps, args=(runner, inbox, outbox, 0, dict), daemon=True)
+    loop.start()
+    kv = runner.rank.spec.kv
+    sched = Scheduler(kv.max_batch, kv.max_seq_len, kv.prefill_chunk, (), anchored=True)
+    reqs = [Request(list(prompt), GenerationParams(max_tokens=new, temperature=0, ignore_eos=True)) for _ in arrivals]
+    under_way = None
+    for n in range(10 * new):
+        for r, when in zip(reqs, arrivals):
+            if when == n:
+                sched.add(r)
+        step = sched.next_step()
+        if step.empty and n > max(arrivals):
+            if under_way is None:
+                break
+            sched.apply(under_way, outbox.get(timeout=60)[2], None)
+            under_way = None
+            continue
+        if not step.empty:
+            inbox.put(step)
+        if under_way is not None:
+            sched.apply(under_way, outbox.get(timeout=60)[2], None)
+        under_way = None if step.empty else step
+    inbox.put(None)
+    loop.join(timeout=60)
+    return [r.output_ids for r in reqs]
+
+
 def _first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
@@ -126,6 +203,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_random_checkpoint(PRESETS["llama-3.2-1b"], Path(tmp) / "m", dtype=torch.bfloat16)
         result["engine"] = engine(folder)
+        result["in process"] = in_process(folder)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
 

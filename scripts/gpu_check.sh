@@ -25,7 +25,7 @@ DEFAULT_BENCH="$DEFAULT_BENCH --variants engine,engine-no-ahead,engine-b8,engine
 timeout "${BENCH_TIMEOUT:-330}" $PY bench/gpu.py --out "$OUT/gpu.json" --rounds "${ROUNDS:-3}" \
     ${BENCH_ARGS:-$DEFAULT_BENCH} 2>&1 | tee "$OUT/bench.log"
 echo "bench exit ${PIPESTATUS[0]}"
-# which products and engine settings make a row's bfloat16 tokens depend on the rows beside it (about 90 s)
-timeout "${INVARIANCE_TIMEOUT:-150}" $PY bench/gpu_invariance.py --out "$OUT/invariance.json" 2>&1 \
+# which products and engine settings make a row's bfloat16 tokens depend on the rows beside it (about 2 minutes)
+timeout "${INVARIANCE_TIMEOUT:-240}" $PY bench/gpu_invariance.py --out "$OUT/invariance.json" 2>&1 \
     | tee "$OUT/invariance.log"
 echo "invariance exit ${PIPESTATUS[0]}"

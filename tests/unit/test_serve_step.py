@@ -10,6 +10,7 @@ from shardlm.plan.plan import KVBudget
 from shardlm.runtime.protocol import SamplingParams
 from shardlm.runtime.serve_step import SlotRunner, prefill_groups
 from shardlm.runtime.work import Decode, Prefill, SlotStart, Step
+from shardlm.settings import Settings
 
 GREEDY = SamplingParams()
 
@@ -66,18 +67,41 @@ def test_batched_prefill_rows_equal_each_row_alone(random_dirs, name):
         tokens = {s: a[s].token for s in a}
 
 
-def test_a_rank_without_shared_prefill_runs_each_chunk_in_its_own_pass(random_dirs):
-    """GPU ranks (SHARDLM_BATCH_INVARIANT, the default) keep a chunk's product shapes its own: one pass per chunk."""
+def test_a_rank_without_shared_prefill_keeps_each_prompts_cache_its_own(random_dirs, monkeypatch):
+    """GPU ranks (SHARDLM_BATCH_INVARIANT, the default) run each chunk in a pass of its own. With products whose
+    rounding depends on how many rows they hold (as cuBLAS's do; stood in here by scaling with the row count), a
+    prompt's cached keys and values are then those of the prompt prefilled alone; in a shared pass they are not."""
     from dataclasses import replace
 
-    rank = build(random_dirs["gqa12x4"], kv=KVBudget(4, 64, 64))
-    chunks = (_prefill(0, [5] * 3), _prefill(1, [6] * 4), _prefill(2, [7] * 4))
-    shared = SlotRunner(rank, ParallelContext())._items(Step(1, (), chunks))
-    assert [[p.slot for p in item.work] for item in shared] == [[0, 1, 2]]
-    rank.kernels = replace(rank.kernels, shared_prefill=False)
-    alone = SlotRunner(rank, ParallelContext())._items(Step(1, (), chunks))
-    assert [[p.slot for p in item.work] for item in alone] == [[0], [1], [2]]
-    assert [tuple(item.tokens.shape) for item in alone] == [(1, 3), (1, 4), (1, 4)]
+    import torch.nn.functional as F
+
+    real = F.linear
+
+    def by_rows(x, w, b=None):  # a product whose rounding depends on its row count
+        return real(x, w, b) * (1 + 1e-3 * ((x.numel() // x.shape[-1]) % 5))
+
+    monkeypatch.setattr(torch.nn.functional, "linear", by_rows)
+    rank = build(random_dirs["gqa12x4"], kv=KVBudget(4, 64, 64), settings=Settings(kernels="torch"))
+    prompts = {0: [5, 9, 13], 1: [6, 8, 10, 12], 2: [7, 11, 15, 17]}
+    chunks = tuple(_prefill(slot, p) for slot, p in prompts.items())
+    starts = tuple(SlotStart(slot, 7) for slot in prompts)
+
+    def cached(shared: bool, together: bool) -> list[list[torch.Tensor]]:
+        rank.kernels = replace(rank.kernels, shared_prefill=shared)
+        runner = SlotRunner(rank, ParallelContext())
+        if together:
+            assert len(runner._items(Step(1, starts, chunks))) == (1 if shared else 3)
+            runner.run(Step(1, starts, chunks))
+        else:
+            for i, c in enumerate(chunks):
+                runner.run(Step(i, (starts[i],), (c,)))
+        return [_cached(runner, slot, len(p)) for slot, p in prompts.items()]
+
+    alone = cached(shared=True, together=False)
+    for shared, same in ((False, True), (True, False)):
+        got = cached(shared, together=True)
+        equal = all(torch.equal(a, b) for g, w in zip(got, alone) for a, b in zip(g, w))
+        assert equal == same, f"shared passes {shared}: cache equal to the prompts alone {equal}"
 
 
 def _decode_logits(runner: SlotRunner, slots: list[int], tokens: dict, positions: dict, step_id: int):
