@@ -1,7 +1,7 @@
 """Which GPU kernels make a row's bfloat16 result depend on the rows beside it, and which engine schedules do.
 
 Written after an H200 run in which 8 copies of one prompt in one engine batch decoded different tokens
-(bench/RESULTS.md, 2026-11-26). Two parts, one JSON:
+(bench/RESULTS.md, 2026-11-26). Three parts, one JSON (written after each):
 
 - kernels: row 0 of a bf16 product (Llama-3.2-1B's widths) computed inside batches of M rows and compared bit for
   bit with M = 1; the same for attention (SDPA) of one query over a masked key length;
@@ -149,8 +149,8 @@ def in_process(folder: Path, device: str = "cuda:0", new: int = 128) -> dict:
 
 
 def _drive(runner, prompt: list[int], arrivals: list[int], new: int) -> list[list[int]]:
-    """Greedy requests of `prompt`, request i added before step arrivals[i], through `serve_steps` in a thread and
-    the engine's pipelined driver (engine/service.py) with anchored chunks; their tokens."""
+    """Greedy requests of `prompt`, request i added at turn arrivals[i] of the driver's loop, through `serve_steps`
+    in a thread and a driver that plans steps as Engine._loop does (pipelined, anchored chunks); their tokens."""
     import queue
     import threading
 
@@ -164,48 +164,69 @@ def _drive(runner, prompt: list[int], arrivals: list[int], new: int) -> list[lis
     kv = runner.rank.spec.kv
     sched = Scheduler(kv.max_batch, kv.max_seq_len, kv.prefill_chunk, (), anchored=True)
     reqs = [Request(list(prompt), GenerationParams(max_tokens=new, temperature=0, ignore_eos=True)) for _ in arrivals]
+
+    def apply(step) -> None:
+        kind, _, result = outbox.get(timeout=60)
+        if kind != "step" or result.id != step.id:
+            raise RuntimeError(f"step {step.id}: the rank answered {kind} {getattr(result, 'id', result)}")
+        sched.apply(step, result, None)
+
     under_way = None
-    for n in range(10 * new):
+    for turn in range(20 * new + max(arrivals) + 10):
         for r, when in zip(reqs, arrivals):
-            if when == n:
+            if when == turn:
                 sched.add(r)
-        step = sched.next_step()
-        if step.empty and n > max(arrivals):
-            if under_way is None:
-                break
-            sched.apply(under_way, outbox.get(timeout=60)[2], None)
+        if under_way is not None and sched.prompt_work():  # as the engine: plan prompts on the latest results
+            apply(under_way)
             under_way = None
+        step = sched.next_step()
+        if step.empty:
+            if under_way is not None:
+                apply(under_way)
+                under_way = None
+            elif turn >= max(arrivals) and sched.idle():
+                break
             continue
-        if not step.empty:
-            inbox.put(step)
+        inbox.put(step)
         if under_way is not None:
-            sched.apply(under_way, outbox.get(timeout=60)[2], None)
-        under_way = None if step.empty else step
+            apply(under_way)
+        under_way = step
     inbox.put(None)
     loop.join(timeout=60)
+    short = [len(r.output_ids) for r in reqs if len(r.output_ids) != new]
+    if short or loop.is_alive():
+        raise RuntimeError(f"requests ended with {short} tokens of {new}, or the rank's loop did not stop")
     return [r.output_ids for r in reqs]
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    """The first index where two token lists differ (the shorter one's length if one is a prefix), else None."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return min(len(a), len(b)) if at is None and len(a) != len(b) else at
 
 
 def main() -> None:
-    """Run both parts and write the JSON."""
+    """Run the three parts, writing the JSON after each (a part that fails or runs out of time keeps the others)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu-out/invariance.json")
     a = ap.parse_args()
     from shardlm.models.presets import PRESETS
     from shardlm.models.random import write_random_checkpoint
 
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": kernels()}
-    print(json.dumps(result["kernels"], indent=1), flush=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_random_checkpoint(PRESETS["llama-3.2-1b"], Path(tmp) / "m", dtype=torch.bfloat16)
-        result["engine"] = engine(folder)
-        result["in process"] = in_process(folder)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
+        for part, run in (("kernels", kernels), ("engine", lambda: engine(folder)),
+                          ("in process", lambda: in_process(folder))):
+            try:
+                result[part] = run()
+                print(part, json.dumps(result[part]), flush=True)
+            except Exception as e:  # noqa: BLE001 - keep what the other parts measured, say what failed
+                result[part] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{part} failed: {type(e).__name__}: {e}", flush=True)
+            out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ its launch message; nothing below reads an environment variable itself. Variable
   chunks in one forward pass, and the engine fill each step's prefill budget by cutting chunks short (sooner
   first tokens when many prompts arrive at once); by default each chunk is its prompt's own and runs in its own
   pass, as a GPU's products round a row by the rows beside it (runtime/serve_step.py, engine/scheduler.py). Other
-  ranks always share passes (CPU kernels round a row alike in any batch).
+  ranks always share passes: CPU kernels round a row alike in any batch, and GPU ranks without graph decode
+  (tensor-parallel, pipelined, streamed layers, SHARDLM_CUDA_GRAPHS=0) decode only the rows in use anyway.
 - ``SHARDLM_OFFLOAD_UNCACHED``: ``1`` evicts streamed layers from the page cache after each use, so
   every step reads the disk (benchmarks of the worst case).
 - ``SHARDLM_COLLECTIVE_TIMEOUT_S``: how long a rank waits for its peers inside a collective, and the
@@ -89,7 +90,8 @@ class Settings:
     """On a serving rank with CUDA-graph decode, launch greedy decode steps before the one ahead of them is read
     back (runtime/ahead.py)."""
     batch_invariant: bool = True
-    """On a one-GPU serving rank, each prompt chunk its own and in its own pass (see SHARDLM_BATCH_INVARIANT)."""
+    """On a one-GPU serving rank with CUDA-graph decode, each prompt chunk its own and in its own pass (see
+    SHARDLM_BATCH_INVARIANT)."""
     offload_uncached: bool = False
     """Evict streamed layers from the page cache after each use (benchmarks)."""
     collective_timeout_s: float = 300.0

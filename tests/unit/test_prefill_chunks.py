@@ -55,7 +55,7 @@ def test_unanchored_chunks_fill_each_steps_budget():
 
 def test_a_cpu_engine_fills_the_budget_and_the_setting_reads_from_the_environment(random_dirs):
     """CPU ranks share prefill passes, so their engine does not anchor chunks (a one-GPU engine does: tests/gpu);
-    SHARDLM_BATCH_INVARIANT=0 turns the GPU behaviour off."""
+    SHARDLM_BATCH_INVARIANT is read from the environment (what it changes: the choose_kernels test below)."""
     from refs import plan_for
     from shardlm.engine import LocalEngine
     from shardlm.plan.plan import KVBudget
@@ -89,3 +89,31 @@ def test_an_engine_with_anchored_chunks_gives_every_request_its_tokens(random_di
             runs[anchored] = engine.generate(prompts, 12, SamplingParams(), ignore_eos=True).token_ids
     assert runs[True] == runs[False]
     assert all(len(t) == 12 for t in runs[True])
+
+
+def test_only_one_gpu_graph_ranks_with_the_setting_on_prefill_alone_and_then_chunks_are_anchored(random_dirs):
+    """choose_kernels on a CUDA device (nothing here needs one: q/k/v stay apart): a pass per chunk only with graph
+    decode (tp 1, pp 1, nothing streamed, SHARDLM_CUDA_GRAPHS on) and SHARDLM_BATCH_INVARIANT on; the engine
+    anchors chunks only when every rank reports it."""
+    import torch
+
+    from refs import build, plan_for
+    from shardlm.engine.service import prefill_alone
+    from shardlm.runtime.build import choose_kernels
+    from shardlm.settings import Settings
+
+    folder = random_dirs["gqa12x4"]
+    rank = build(folder)
+    tp2 = plan_for(folder, tp=2)[0].rank_spec(0)
+    cuda = torch.device("cuda")
+
+    def alone(spec=rank.spec, streaming=False, **settings) -> bool:
+        s = Settings.from_env({}, cuda_join=False, **settings)
+        kernels = choose_kernels(rank.module, spec, cuda, torch.bfloat16, s, streaming, frozenset())
+        return not kernels.shared_prefill
+
+    assert alone()
+    assert not alone(batch_invariant=False) and not alone(cuda_graphs=False)
+    assert not alone(streaming=True) and not alone(spec=tp2)
+    assert prefill_alone([{"prefill_alone": True}])
+    assert not prefill_alone([{"prefill_alone": True}, {"prefill_alone": False}]) and not prefill_alone([{}])

@@ -55,6 +55,12 @@ class EngineStats:
     reason: str
 
 
+def prefill_alone(ready: list[dict]) -> bool:
+    """Whether every rank (by its ready report) runs each prompt chunk in a pass of its own: then the scheduler
+    anchors chunks, so that each is its prompt's own (engine/scheduler.py)."""
+    return bool(ready) and all(r.get("prefill_alone", False) for r in ready)
+
+
 class Engine:
     """Ranks of a Plan, started once, serving requests (see the module docstring)."""
 
@@ -100,8 +106,7 @@ class Engine:
         if self.tokenizer is None and has_tokenizer(Path(self.source.folder)):
             self.tokenizer = load_tokenizer(Path(self.source.folder))  # token-id prompts need none
         self.group.wait_ready()
-        # ranks that prefill each chunk in a pass of its own want chunks that are each prompt's own (scheduler.py)
-        self.scheduler.anchored = all(r.get("prefill_alone", False) for r in self.group.ready)
+        self.scheduler.anchored = prefill_alone(self.group.ready)
         self._thread = threading.Thread(target=self._loop, name="shardlm-scheduler", daemon=True)
         self._thread.start()
         self.started = True
