@@ -7,7 +7,8 @@ Written after an H200 run in which 8 copies of one prompt in one engine batch de
   bit with M = 1; the same for attention (SDPA) of one query over a masked key length;
 - engine: Llama-3.2-1B's shapes with random bfloat16 weights, 8 copies of one prompt in one batch of the engine
   (as bench/gpu.py engine-b8), with the engine's defaults, without run-ahead, eager, and with prefill chunks
-  sharing passes: each row's first token unlike row 0's and unlike the prompt decoded alone;
+  sharing passes: each row's first token unlike row 0's and unlike the prompt decoded alone, and the seconds
+  8 prompts arriving at once take to their first token (a pass per chunk against shared passes);
 - in process: the rank's loop and the engine's driver in one process, every decode replay over the rows in use or
   over all slots (no setting turns that on), each run twice to show a kernel that is not deterministic.
 
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -105,8 +107,13 @@ def engine(folder: Path) -> dict:
         with LocalEngine(plan, source, settings=Settings.from_env({}, **env), timeout_s=300) as eng:
             alone = eng.generate([prompt], 128, SamplingParams(), ignore_eos=True).token_ids[0]
             rows = eng.generate([prompt] * 8, 128, SamplingParams(), ignore_eos=True).token_ids
+            burst = []  # 8 prompts at once, one token each: what a pass per prompt chunk costs the first tokens
+            for _ in range(3):
+                t0 = time.perf_counter()
+                eng.generate([prompt] * 8, 1, SamplingParams(), ignore_eos=True)
+                burst.append(round(time.perf_counter() - t0, 4))
         out[name] = {"vs alone": [_first_diff(r, alone) for r in rows],
-                     "vs row 0": [_first_diff(r, rows[0]) for r in rows]}
+                     "vs row 0": [_first_diff(r, rows[0]) for r in rows], "burst of 8 prompts, s": burst}
         print(name, json.dumps(out[name]), flush=True)
     return out
 
