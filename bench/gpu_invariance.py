@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # tests/: the in-process driver
 
 
 def _rows_equal_alone(fn, rows: list[int]) -> dict[int, float]:
@@ -156,52 +156,21 @@ def in_process(folder: Path, device: str = "cuda:0", new: int = 128) -> dict:
 
 
 def _drive(runner, prompt: list[int], arrivals: list[int], new: int) -> list[list[int]]:
-    """Greedy requests of `prompt`, request i added at turn arrivals[i] of the driver's loop, through `serve_steps`
-    in a thread and a driver that plans steps as Engine._loop does (pipelined, anchored chunks); their tokens."""
-    import queue
-    import threading
-
+    """Greedy requests of `prompt`, request i added at turn arrivals[i] of the engine's pipelined driver
+    (tests/pipelined_driver.py, anchored chunks) against `serve_steps` in a thread; their tokens."""
+    from pipelined_driver import drive
     from shardlm.engine.requests import GenerationParams, Request
     from shardlm.engine.scheduler import Scheduler
-    from shardlm.runtime.ahead import serve_steps
 
-    inbox, outbox = queue.Queue(), queue.Queue()
-    loop = threading.Thread(target=serve_steps, args=(runner, inbox, outbox, 0, dict), daemon=True)
-    loop.start()
     kv = runner.rank.spec.kv
     sched = Scheduler(kv.max_batch, kv.max_seq_len, kv.prefill_chunk, (), anchored=True)
     reqs = [Request(list(prompt), GenerationParams(max_tokens=new, temperature=0, ignore_eos=True)) for _ in arrivals]
-
-    def apply(step) -> None:
-        kind, _, result = outbox.get(timeout=60)
-        if kind != "step" or result.id != step.id:
-            raise RuntimeError(f"step {step.id}: the rank answered {kind} {getattr(result, 'id', result)}")
-        sched.apply(step, result, None)
-
-    under_way = None
-    for turn in range(20 * new + max(arrivals) + 10):
-        for r, when in zip(reqs, arrivals):
-            if when == turn:
-                sched.add(r)
-        if under_way is not None and sched.prompt_work():  # as the engine: plan prompts on the latest results
-            apply(under_way)
-            under_way = None
-        step = sched.next_step()
-        if step.empty:
-            if under_way is not None:
-                apply(under_way)
-                under_way = None
-            elif turn >= max(arrivals) and sched.idle():
-                break
-            continue
-        inbox.put(step)
-        if under_way is not None:
-            apply(under_way)
-        under_way = step
-    inbox.put(None)
-    loop.join(timeout=60)
+    at: dict[int, list] = {}
+    for r, when in zip(reqs, arrivals):
+        at.setdefault(when, []).append(r)
+    done = drive(runner, sched, at, turns=20 * new + max(arrivals) + 10, wait_s=60)
     short = [len(r.output_ids) for r in reqs if len(r.output_ids) != new]
-    if short or loop.is_alive():
+    if short or not done:
         raise RuntimeError(f"requests ended with {short} tokens of {new}, or the rank's loop did not stop")
     return [r.output_ids for r in reqs]
 

@@ -4,11 +4,9 @@ is not read yet from the device. Every request must end with the tokens and fini
 rank loop, whatever ends it, while sampled rows, chunked prompts and slot handovers force steps that cannot run
 ahead in between."""
 
-import queue
-import threading
-
 import pytest
 
+from pipelined_driver import drive
 from refs import build
 from shardlm.engine.scheduler import Scheduler
 from shardlm.engine.text import load_tokenizer
@@ -16,7 +14,7 @@ from shardlm.parallel.context import ParallelContext
 from shardlm.plan.plan import KVBudget
 from shardlm.runtime import ahead as ahead_mod
 from shardlm.runtime import slot_graphs
-from shardlm.runtime.ahead import Launched, RunAhead, serve_steps
+from shardlm.runtime.ahead import Launched, RunAhead
 from shardlm.runtime.serve_step import SlotRunner
 from shardlm.settings import Settings
 from test_pipelined_steps import CANCEL_AFTER, CHUNK, MAX_LEN, SLOTS, _requests
@@ -40,37 +38,15 @@ def _runner(rank, graphs: bool) -> SlotRunner:
 
 
 def _drive(runner: SlotRunner, tokenizer, reqs) -> None:
-    """The engine's pipelined driver (engine/service.py) against `serve_steps` in a thread, through queues."""
-    inbox, outbox = queue.Queue(), queue.Queue()
-    rank_loop = threading.Thread(target=serve_steps, args=(runner, inbox, outbox, 0, dict), daemon=True)
-    rank_loop.start()
-    sched = Scheduler(SLOTS, MAX_LEN, CHUNK, (0,))
-    for r in reqs:
-        sched.add(r)
-
-    def apply(step):
-        kind, _, result = outbox.get(timeout=WAIT_S)
-        assert kind == "step" and result.id == step.id, (kind, result)
-        sched.apply(step, result, tokenizer)
+    """The engine's pipelined driver (tests/pipelined_driver.py) against `serve_steps` in a thread; request 2 is
+    cancelled once it has CANCEL_AFTER tokens."""
+    def cancel() -> None:
         if len(reqs[2].output_ids) >= CANCEL_AFTER:
             reqs[2].cancel()
 
-    under_way = None
-    for _ in range(500):
-        step = sched.next_step()
-        if step.empty:
-            if under_way is None:
-                break
-            apply(under_way)
-            under_way = None
-            continue
-        inbox.put(step)
-        if under_way is not None:
-            apply(under_way)
-        under_way = step
-    inbox.put(None)
-    rank_loop.join(timeout=WAIT_S)
-    assert not rank_loop.is_alive() and sched.idle(), "the rank loop or the requests did not finish"
+    sched = Scheduler(SLOTS, MAX_LEN, CHUNK, (0,))
+    assert drive(runner, sched, {0: reqs}, tokenizer, cancel, wait_s=WAIT_S), \
+        "the rank loop or the requests did not finish"
 
 
 def test_steps_run_ahead_give_every_request_the_plain_loops_tokens(rank, bundled_dir, on_cpu, monkeypatch):

@@ -92,7 +92,7 @@ class RunAhead:
         tokens = [None if d.token is None and d.slot in self.latest else self.runner.fed_token(d)
                   for d in step.decodes]  # None: still on the device, in `held`
         rows, length = graphs.shape(slots, positions)
-        inputs = graphs.stage(slots, positions, tokens, self.held)  # (4, rows)
+        inputs = graphs.stage(rows, slots, positions, tokens, self.held)  # (4, rows)
         got = graphs._graph(rows, length)
         if got is None:
             return None

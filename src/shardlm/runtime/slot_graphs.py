@@ -114,15 +114,14 @@ class SlotGraphs:
         self.kept[key] = got
         return got
 
-    def stage(self, slots: list[int], positions: list[int], tokens: list[int | None],
+    def stage(self, rows: int, slots: list[int], positions: list[int], tokens: list[int | None],
               held: torch.Tensor | None = None) -> torch.Tensor:
-        """Write decode rows' inputs (slot, position, token fed) into the graph's buffers for the shape that serves
-        them; idle rows get token 0 at their slot's last position. A token None takes held[slot] (held: (slots,) on
+        """Write decode rows' inputs (slot, position, token fed) into the graph's buffers for `rows` rows (the shape
+        that serves them, `shape`); idle rows get token 0 at their slot's last position. A token None takes held[slot] (held: (slots,) on
         the device, tokens sampled there and not read back; runtime/ahead.py). Returns the staged values on the
         device, (4, rows): tokens, positions, rows fed from `held`, rows that decode. Each step's values go through
         a contiguous block of a pinned buffer, the two used in turn, so a buffer is written again only after the
         step before last, whose copy is done once that step's tokens have been read."""
-        rows, _ = self.shape(slots, positions)
         fed, at = [0] * rows, [self.cache.max_len - 1] * rows
         from_held, decoding = [0] * rows, [0] * rows
         for slot, position, token in zip(slots, positions, tokens):
@@ -143,7 +142,7 @@ class SlotGraphs:
         if self.failed:
             return None
         rows, length = self.shape(slots, positions)
-        self.stage(slots, positions, tokens)
+        self.stage(rows, slots, positions, tokens)
         got = self._graph(rows, length)
         if got is None:
             return None
