@@ -5,8 +5,9 @@
 
 Each sample is a child process (this script with --child) that imports shardlm from one tree, builds rank 0 of
 the bundled model's one-rank plan as a rank builds it, and times a SlotRunner with no engine, driver or queue
-around it: `--steps` decode steps of the case's batch (contexts 8-135, cycling, as in a 128-token generate) and a
-512-token prefill. A case is DTYPE:BATCH with DTYPE f32, bf16, int8 or int4 (int8/int4 with the int8 embedding).
+around it (with the rank's malloc settings, where the tree has them): `--steps` decode steps of the case's batch
+(contexts 8-135, cycling, as in a 128-token generate) and a 512-token prefill. A case is DTYPE:BATCH with DTYPE
+f32, bf16, int8 or int4 (int8/int4 with the int8 embedding).
 Trees alternate within each round. It resolves a few percent where `bench/decode.py`, whose samples include the
 engine and are far apart in time, cannot; this VM's read bandwidth swings within minutes, so compare the rounds.
 """
@@ -43,6 +44,10 @@ def child(case: str, steps: int) -> dict:
     from shardlm.runtime.serve_step import SlotRunner
     from shardlm.runtime.work import Decode, Prefill, SlotStart, Step
 
+    from shardlm.runtime import worker
+
+    if hasattr(worker, "set_malloc"):  # as a rank does first (trees before it left glibc's thresholds moving)
+        worker.set_malloc(streams_layers=False)
     dtype, batch = case.split(":")
     batch = int(batch)
     quant = dtype if dtype in ("int8", "int4") else "none"

@@ -36,7 +36,7 @@ class OffloadError(ValueError):
 def trim_heap() -> None:
     """Hand the heap's free pages back to the system (glibc `malloc_trim`).
 
-    Tensors under the mmap threshold (1 MiB, see worker._steady_malloc) live on the heap: a
+    Tensors under the mmap threshold (1 MiB on a rank that streams, see worker.set_malloc) live on the heap: a
     quantized layer's q/k/v/o and MLP codes do, for this model. A layer dropped after it is written
     out frees them, but long-lived objects allocated in between can pin the holes, and in one run
     of five here the rank then kept 1.7 MiB per streamed layer (+45 MiB over 30 layers). Trimming
