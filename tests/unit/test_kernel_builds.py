@@ -43,6 +43,9 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
     got, want = ext.prefill_int4(many, *whole.kernel_args()), native.prefill_int4(many, *whole.kernel_args())
     if "fma" in needs:
         assert torch.equal(got, want)
+        for exact, wide in ((True, False), (False, True)):  # block chains added in double: half-vectors widened
+            assert torch.equal(ext.prefill_int4(many, *whole.kernel_args(), exact, wide),
+                               native.prefill_int4(many, *whole.kernel_args(), exact, wide)), (exact, wide)
     else:  # no FMA instruction: each product is rounded before its add, so the chains differ in the last bits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for dtype in (torch.float32, torch.bfloat16):  # float rows: eight-lane accumulators on every build

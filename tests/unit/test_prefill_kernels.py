@@ -95,6 +95,38 @@ def test_prefill_partial_sums_add_up_to_the_whole_bit_for_bit(kind, parts, ext):
     assert torch.equal(sum(wides).float(), whole)
 
 
+def _block_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What an Exact product computes, emulated: each block of 32 columns one float32 FMA chain in column order
+    (a product of two floats is exact in float64, so each step rounds once, as an FMA does), the blocks' results
+    added in float64 in block order. x (b, k), w (n, k) float32, k a multiple of 32 -> (b, n) float64."""
+    total = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for k0 in range(0, x.shape[1], 32):
+        chain = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+        for c in range(k0, k0 + 32):
+            chain = (x[:, c:c + 1].double() * w[:, c].double() + chain.double()).float()  # (b, n)
+        total += chain.double()
+    return total
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_exact_sums_are_float32_block_chains_added_in_float64(kind, ext):
+    """The float64 sums an Exact (row-parallel) product returns, bit for bit: per block of 32 columns a float32 FMA
+    chain, the blocks added in float64 in order. Rows and outputs off the register tile and the panel."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 37, 32 * 5
+    w = torch.randn(n, k, generator=g)
+    if kind == "int8":
+        qw = quantize_int8(w)
+        dequantized = qw.q[:, :k].float() * qw.scale.float()[:, None]  # exact in float32, as the panels widen it
+    else:
+        qw = quantize_int4(w)
+        dequantized = qw.dequantized().float()
+    x = torch.randn(15, k, generator=g)
+    got = _run(ext, kind, qw, x, wide=True)  # (15, n) float64
+    assert torch.equal(got, _block_sums(x, dequantized))
+    assert torch.equal(_run(ext, kind, qw, x, exact=True), got.float())
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_the_module_path_takes_prefill_kernels_for_passes_of_more_than_one_position(kind, ext):
     g = torch.Generator().manual_seed(3)
