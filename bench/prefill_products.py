@@ -6,8 +6,9 @@ The bundled model's shapes (o: 576 x 576, down: 576 x 1536, gate and up together
 and activations, on the machine's cores. Exact is how quantized o and down projections run at every tensor-parallel
 degree (each block of 32 columns one float32 chain, the blocks added in double, so a row-parallel split adds up to
 the whole bit for bit); plain is one float32 chain per output. Every case runs once per round, cases in a fixed
-order, rounds repeated; the table gives the median ms of a call over rounds and the ratio to float32. It isolates
-what an end-to-end prefill on this VM cannot resolve (a few percent).
+order, rounds repeated; the table gives the median ms of a call over rounds and the ratio to float32. The process
+takes a rank's malloc settings first (where the tree has them). It isolates what an end-to-end prefill on this VM
+cannot resolve (a few percent).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=10, help="calls timed together in a sample")
     args = ap.parse_args()
+    from shardlm.runtime import worker
+
+    if hasattr(worker, "set_malloc"):  # as a rank does: the products' outputs and panels reuse heap pages
+        worker.set_malloc(False)
     ext = extension(Settings().kernel_dir)
     if ext is None:
         raise SystemExit("the compiled kernels did not build here (see the log); nothing to time")

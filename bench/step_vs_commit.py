@@ -47,7 +47,7 @@ def child(case: str, steps: int) -> dict:
     from shardlm.runtime import worker
 
     if hasattr(worker, "set_malloc"):  # as a rank does first (trees before it left glibc's thresholds moving)
-        worker.set_malloc(streams_layers=False)
+        worker.set_malloc(offloads=False)
     dtype, batch = case.split(":")
     batch = int(batch)
     quant = dtype if dtype in ("int8", "int4") else "none"

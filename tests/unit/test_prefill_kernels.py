@@ -97,8 +97,10 @@ def test_prefill_partial_sums_add_up_to_the_whole_bit_for_bit(kind, parts, ext):
 
 def _block_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """What an Exact product computes, emulated: each block of 32 columns one float32 FMA chain in column order
-    (a product of two floats is exact in float64, so each step rounds once, as an FMA does), the blocks' results
-    added in float64 in block order. x (b, k), w (n, k) float32, k a multiple of 32 -> (b, n) float64."""
+    (a product of two floats is exact in float64; the sum rounds to float64, then to float32: an FMA's single
+    rounding except at double-rounding ties, about 2**-29 a step: these fixed inputs meet none), the
+    blocks' results added in float64 in block order. x (b, k), w (n, k) float32, k a multiple of 32 -> (b, n)
+    float64."""
     total = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
     for k0 in range(0, x.shape[1], 32):
         chain = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)

@@ -56,7 +56,7 @@ HEAP_MMAP_THRESHOLD = 32 * 2**20
 """Below this a tensor comes from the heap: glibc's own ceiling for its moving threshold (32 MiB on 64-bit)."""
 
 
-def set_malloc(streams_layers: bool) -> bool:
+def set_malloc(offloads: bool) -> bool:
     """Fix glibc's malloc thresholds for this rank process; False where libc is not glibc (nothing set).
 
     glibc maps each block over its mmap threshold afresh (and unmaps it when freed), and hands the top of the
@@ -65,14 +65,15 @@ def set_malloc(streams_layers: bool) -> bool:
     512-token prefill took 23 000-75 000 page faults and ran at 1200-1470 tok/s in some runs and ~0 faults and
     1560-1640 tok/s in others (bundled model, int4 and float32, in-process). A rank that keeps its layers fixes
     them at glibc's own ceiling (32 MiB, trim at 64 MiB): activations come from the heap and stay there, so a
-    prefill reuses pages the last one touched (peak RSS unchanged, measured). A rank that streams offloaded
-    layers instead fixes the mmap threshold at 1 MiB, so the large tensors it loads and drops go back to the
-    system at once: with glibc's moving threshold its peak RSS for the same 250 MiB budget varied from +264 to
-    +443 MiB (the heap kept what dropped layers freed).
+    prefill reuses pages the last one touched (peak RSS unchanged, measured; a server keeps at most 64 MiB of
+    free heap above that). A rank that `offloads` (layers or its vocabulary, to disk or host memory: it loads and
+    drops large tensors) instead fixes the mmap threshold at 1 MiB, so they go back to the system at once: with
+    glibc's moving threshold its peak RSS for the same 250 MiB budget varied from +264 to +443 MiB (the heap kept
+    what dropped layers freed).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
-        if streams_layers:
+        if offloads:
             return libc.mallopt(M_MMAP_THRESHOLD, 2**20) == 1
         return libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD) == 1 \
             and libc.mallopt(M_TRIM_THRESHOLD, 2 * HEAP_MMAP_THRESHOLD) == 1
@@ -99,10 +100,12 @@ def peak_rss_bytes() -> int:
 def rank_main(launch: RankLaunch, inbox, outbox, listener=None) -> None:
     """Entry point of a rank process; reports errors with their traceback instead of raising."""
     _die_with_parent()
-    set_malloc(launch.spec.offload.tier != "none")
+    malloc_set = set_malloc(launch.spec.offload.tier != "none")  # before the rank allocates anything large
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and stops every rank
     spec = launch.spec
     logs.setup(launch.settings.log_level, logs.rank_label(spec.rank, spec.stage, spec.tp_rank))
+    if not malloc_set:
+        log.debug("malloc thresholds left as they were (not glibc, or mallopt refused them)")
     code = 0
     try:
         _serve(launch, inbox, outbox, listener)
