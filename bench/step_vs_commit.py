@@ -6,8 +6,9 @@
 Each sample is a child process (this script with --child) that imports shardlm from one tree, builds rank 0 of
 the bundled model's one-rank plan as a rank builds it, and times a SlotRunner with no engine, driver or queue
 around it (with the rank's malloc settings, where the tree has them): `--steps` decode steps of the case's batch
-(contexts 8-135, cycling, as in a 128-token generate) and a 512-token prefill. A case is DTYPE:BATCH with DTYPE
-f32, bf16, int8 or int4 (int8/int4 with the int8 embedding).
+(contexts 8-135, cycling, as in a 128-token generate) and a 512-token prefill (its speed and its minor page faults,
+the median of the second and third runs). A case is DTYPE:BATCH with DTYPE f32, bf16, int8 or int4 (int8/int4 with
+the int8 embedding).
 Trees alternate within each round. It resolves a few percent where `bench/decode.py`, whose samples include the
 engine and are far apart in time, cannot; this VM's read bandwidth swings within minutes, so compare the rounds.
 """
@@ -18,6 +19,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,7 +49,7 @@ def child(case: str, steps: int) -> dict:
     from shardlm.runtime import worker
 
     if hasattr(worker, "set_malloc"):  # as a rank does first (trees before it left glibc's thresholds moving)
-        worker.set_malloc(offloads=False)
+        worker.set_malloc(False)
     dtype, batch = case.split(":")
     batch = int(batch)
     quant = dtype if dtype in ("int8", "int4") else "none"
@@ -74,12 +76,14 @@ def child(case: str, steps: int) -> dict:
     decode_steps(10, 1)  # warm-up
     step_s = decode_steps(steps, 100)
     prompt = tuple((i * 7919) % 40000 + 10 for i in range(512))
-    rates = []
+    rates, faults = [], []
     for i in range(3):
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         runner.run(Step(10_000 + i, (SlotStart(0, 0),), (Prefill(0, prompt, 0, True, greedy),), ()))
         rates.append(len(prompt) / (time.perf_counter() - t0))
-    return {"step_ms": step_s * 1e3, "prefill_tok_s": statistics.median(rates[1:])}
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)  # minor page faults of the prefill
+    return {"step_ms": step_s * 1e3, "prefill_tok_s": statistics.median(rates[1:]),
+            "prefill_faults": statistics.median(faults[1:])}
 
 
 def sample(tree: Path, case: str, steps: int) -> dict:
@@ -103,14 +107,17 @@ def report(got: dict, args, started: str) -> str:
              f"{info['ram']}; torch {info['torch']}. Rank 0 of the bundled model's one-rank plan, in-process "
              "SlotRunner (no engine), decode contexts 8-135; trees alternate within each round.", "",
              f"| case | decode ms a step, this tree (rounds) | {args.commit} (rounds) | this / {args.commit} | "
-             f"prefill 512 tok/s, this tree / {args.commit} |", "|---|---|---|---|---|"]
+             f"prefill 512 tok/s, this tree / {args.commit} | prefill page faults, this tree / {args.commit} |",
+             "|---|---|---|---|---|---|"]
     for case in args.cases.split(","):
         new, old = got[("this tree", case)], got[(args.commit, case)]
         n_ms, o_ms = [x["step_ms"] for x in new], [x["step_ms"] for x in old]
         lines.append(f"| {case} | {' / '.join(f'{v:.2f}' for v in n_ms)} | {' / '.join(f'{v:.2f}' for v in o_ms)} | "
                      f"{statistics.median(n_ms) / statistics.median(o_ms):.3f} | "
                      f"{statistics.median(x['prefill_tok_s'] for x in new):.0f} / "
-                     f"{statistics.median(x['prefill_tok_s'] for x in old):.0f} |")
+                     f"{statistics.median(x['prefill_tok_s'] for x in old):.0f} | "
+                     f"{statistics.median(x['prefill_faults'] for x in new):.0f} / "
+                     f"{statistics.median(x['prefill_faults'] for x in old):.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -144,7 +151,7 @@ def main() -> None:
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
                 got.setdefault((name, case), []).append(s := sample(trees[name], case, args.steps))
                 print(f"round {r + 1} {name} {case}: {s['step_ms']:.2f} ms a step, prefill "
-                      f"{s['prefill_tok_s']:.0f} tok/s", flush=True)
+                      f"{s['prefill_tok_s']:.0f} tok/s, {s['prefill_faults']:.0f} page faults", flush=True)
     text = report(got, args, started)
     print(text + f"\n{(time.monotonic() - t0) / 60:.1f} min")
     if not args.no_write:

@@ -117,11 +117,11 @@ class SlotGraphs:
     def stage(self, rows: int, slots: list[int], positions: list[int], tokens: list[int | None],
               held: torch.Tensor | None = None) -> torch.Tensor:
         """Write decode rows' inputs (slot, position, token fed) into the graph's buffers for `rows` rows (the shape
-        that serves them, `shape`); idle rows get token 0 at their slot's last position. A token None takes held[slot] (held: (slots,) on
-        the device, tokens sampled there and not read back; runtime/ahead.py). Returns the staged values on the
-        device, (4, rows): tokens, positions, rows fed from `held`, rows that decode. Each step's values go through
-        a contiguous block of a pinned buffer, the two used in turn, so a buffer is written again only after the
-        step before last, whose copy is done once that step's tokens have been read."""
+        that serves them, `shape`); idle rows get token 0 at their slot's last position. A token None takes
+        held[slot] (held: (slots,) on the device, tokens sampled there and not read back; runtime/ahead.py). Returns
+        the staged values on the device, (4, rows): tokens, positions, rows fed from `held`, rows that decode. Each
+        step's values go through a contiguous block of a pinned buffer, the two used in turn, so a buffer is written
+        again only after the step before last, whose copy is done once that step's tokens have been read."""
         fed, at = [0] * rows, [self.cache.max_len - 1] * rows
         from_held, decoding = [0] * rows, [0] * rows
         for slot, position, token in zip(slots, positions, tokens):
