@@ -1,0 +1,33 @@
+"""The benchmark scripts that lean on the engine's insides still run: short versions of their loads."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_engine_load_reports_the_steps_it_timed():
+    """`bench/engine_load.py` (the serving load in-process, its ranks' seconds by step kind) on 4 short requests:
+    every round completes and the step table counts decode and prefill steps with their seconds."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_load.py"), "--concurrency", "2", "--requests",
+                          "4", "--input-len", "8", "--output-len", "4", "--rounds", "1"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("round 1: c2, 4 requests in ") and "output tok/s" in lines[0], out.stdout
+    assert " steps, " in lines[1] and "rank seconds" in lines[1] and float(lines[1].split(", ")[1].split()[0]) > 0
+    kinds = " ".join(lines[2:])
+    assert "decode 2 rows" in kinds or "decode 1 rows" in kinds, out.stdout
+    assert "prefill 8 tokens" in kinds or "prefill 16 tokens" in kinds, out.stdout
+
+
+def test_decode_products_prints_one_line_per_row_count_and_place():
+    """`bench/decode_products.py` at 1 and 2 rows, 1 round: a table row for memory and caches at each."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_products.py"), "--rows", "1,2", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 4 and all(float(r.split("|")[4]) > 0 for r in rows), out.stdout
