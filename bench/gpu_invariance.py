@@ -4,7 +4,8 @@ Written after an H200 run in which 8 copies of one prompt in one engine batch de
 (bench/RESULTS.md, 2026-11-26). Three parts, one JSON (written after each):
 
 - kernels: row 0 of a bf16 product (Llama-3.2-1B's widths) computed inside batches of M rows and compared bit for
-  bit with M = 1; the same for attention (SDPA) of one query over a masked key length;
+  bit with M = 1; the same for attention (SDPA) of one query over a masked key length (up to 4096 keys, and one
+  call twice); each product shape captured in a CUDA graph against eager and its replays against each other;
 - engine: Llama-3.2-1B's shapes with random bfloat16 weights, 8 copies of one prompt in one batch of the engine
   (as bench/gpu.py engine-b8), with the engine's defaults, without run-ahead, eager, and with prefill chunks
   sharing passes: each row's first token unlike row 0's and unlike the prompt decoded alone, and the seconds
@@ -64,6 +65,37 @@ def kernels(dim: int = 2048, hidden: int = 8192, rows=(1, 2, 3, 4, 8, 16, 40, 12
     out["down, no reduced-precision reduction"] = _rows_equal_alone(down, list(rows))
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
     out["attention"] = attention()
+    out["in a CUDA graph"] = graph_products(dim, hidden)
+    return out
+
+
+def graph_products(dim: int, hidden: int, rows: int = 8) -> dict:
+    """Each product shape at `rows` rows captured in a CUDA graph: max |graph - eager|, max over 5 replays of
+    |replay - first replay|, and row 0 against the 1-row eager product (all 0.0: graphs change nothing)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    out = {}
+    for name, (n, k) in {"down": (dim, hidden), "gate/up joined": (2 * hidden, dim), "q/k/v joined": (3072, dim),
+                         "head": (128256, dim)}.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        eager = F.linear(x, w)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capturing stream, as torch's graph docs ask
+            for _ in range(3):
+                F.linear(x, w)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = F.linear(x, w)
+        replays = []
+        for _ in range(5):
+            graph.replay()
+            torch.cuda.synchronize()
+            replays.append(y.clone().float())
+        out[name] = {"graph vs eager": float((replays[0] - eager.float()).abs().max()),
+                     "replays": max(float((r - replays[0]).abs().max()) for r in replays),
+                     "row 0 vs 1 row": float((replays[0][0] - F.linear(x[:1], w)[0].float()).abs().max())}
     return out
 
 
@@ -72,8 +104,8 @@ def attention(heads: int = 32, kv_heads: int = 8, hd: int = 64, real: int = 40) 
     g = torch.Generator(device="cuda").manual_seed(1)
     dev, bf = "cuda", torch.bfloat16
     q0 = torch.randn(1, heads, 1, hd, device=dev, dtype=bf, generator=g)
-    k0 = torch.randn(1, kv_heads, 512, hd, device=dev, dtype=bf, generator=g)
-    v0 = torch.randn(1, kv_heads, 512, hd, device=dev, dtype=bf, generator=g)
+    k0 = torch.randn(1, kv_heads, 4096, hd, device=dev, dtype=bf, generator=g)
+    v0 = torch.randn(1, kv_heads, 4096, hd, device=dev, dtype=bf, generator=g)
 
     def run(b, t):
         q = torch.cat([q0, torch.randn(b - 1, heads, 1, hd, device=dev, dtype=bf, generator=g)])
