@@ -34,21 +34,15 @@ def _engine_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.steps: list[tuple[int, int, float]] = []
+            self.last = None
 
-        def _apply(self, step) -> None:  # the result's rank seconds, read where the engine reads the result
-            receive = super()._receive_step
-            got = {}
+        def _receive_step(self):  # what `_apply` waits for: the step's result, with its rank seconds
+            self.last = super()._receive_step()
+            return self.last
 
-            def keep():
-                got["result"] = receive()
-                return got["result"]
-
-            self._receive_step = keep
-            try:
-                super()._apply(step)
-            finally:
-                del self._receive_step
-            seconds = getattr(got.get("result"), "seconds", 0.0)
+        def _apply(self, step) -> None:
+            super()._apply(step)
+            seconds = getattr(self.last, "seconds", 0.0)
             self.steps.append((sum(len(p.tokens) for p in step.prefills), len(step.decodes), seconds))
 
     return TimedEngine

@@ -199,8 +199,9 @@ template <typename W, int R, int P>
 inline void tile_pairs(const W* w, int64_t ldw, const float* x, const float* xp, float* y, int64_t n, int64_t k,
                        int64_t r0, int64_t j0, int pass = 0, int passes = 1) {
   const int64_t kk = k - k % 8;
-  int64_t ahead = pass * (kk / passes / 8 * 8);  // the next column of the next tile to ask for: this pass's share
-  int wait = 0;                                   // of the columns, 8 of them every `passes` steps
+  // This pass asks for its share of the next tile's columns (from `ahead`), 8 columns every `passes` steps.
+  int64_t ahead = pass * (kk / passes / 8 * 8);
+  int wait = 0;
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
