@@ -6,7 +6,7 @@ its launch message; nothing below reads an environment variable itself. Variable
 - ``SHARDLM_HOME``: the cache folder (bundled model, compiled kernels, calibration, offload files);
   default ``~/.cache/shardlm``.
 - ``SHARDLM_KERNELS``: CPU linear kernels, ``auto`` (default), ``gemv``, ``onednn`` or ``torch``.
-- ``SHARDLM_FUSED``: ``0`` turns the fused CPU decode step off (default on).
+- ``SHARDLM_FUSED``: ``0`` turns the fused CPU decode step and the fused float32 prefill off (default on).
 - ``SHARDLM_CUDA_GRAPHS``: ``0`` turns CUDA-graph decode off (default on).
 - ``SHARDLM_CUDA_COMPILE``: ``1`` compiles ``runtime.step.generate``'s CUDA-graph decode step with
   ``torch.compile`` before it is captured (fewer, fused kernels per replay; tens of seconds of compiling at a
@@ -79,7 +79,8 @@ class Settings:
     kernels: str = "auto"
     """CPU linear kernels: auto | gemv | onednn | torch."""
     fused: bool = True
-    """Run CPU decode steps through the fused per-block kernel where it applies."""
+    """Run CPU decode steps through the fused per-block kernel, and float32 prefill blocks with their element-wise
+    work compiled, where they apply."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs where they apply (one GPU, nothing streamed)."""
     cuda_compile: bool = False

@@ -18,6 +18,7 @@
 #include "decode.h"
 #include "fewrows.h"
 #include "prefill_attn.h"
+#include "prefill_ops.h"
 #include "qgemm.h"
 #include "stack.h"
 
@@ -195,6 +196,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("wide") = false);
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");
   m.def("prefill_attention", &shardlm::prefill_attention, "attention of every position of a prefill pass");
+  m.def("prefill_norm", &shardlm::prefill_norm, "[x + residual, rms_norm(x + residual) * weight] of a prefill pass",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rope_heads", &shardlm::rope_heads, "rotary embedding of (b, s, heads * hd), laid out (b, heads, s, hd)",
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("head_dim"));
+  m.def("silu_mul_", &shardlm::silu_mul_, "up = silu(gate) * up in place", py::arg("up"), py::arg("gate"));
   m.def("attn_decode", &shardlm::attn_decode, "attention half of a block for one new token per row");
   m.def("mlp_decode", &shardlm::mlp_decode, "MLP half of a block up to the down projection");
   // module_local: a build for another instruction set (tests load haswell and x86-64 builds) registers its own

@@ -173,6 +173,9 @@ class DecoderLayer(nn.Module):
     """A whole-block step the runtime may install from outside (the fused CPU decode kernel): called as
     decode_step(layer, x, cos, sin, mask, cache), it returns the block's output, or None when it does not
     apply to this call (the block then runs module by module)."""
+    prefill_step: Callable | None = None
+    """The same for a pass of several positions a row (the compiled element-wise work of a float32 CPU prefill,
+    shardlm.kernels.prefill): called alike, None when it does not apply."""
 
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -185,6 +188,10 @@ class DecoderLayer(nn.Module):
         """One block; shapes as in `Attention.forward`."""
         if self.decode_step is not None:
             out = self.decode_step(self, x, cos, sin, mask, cache)
+            if out is not None:
+                return out
+        if self.prefill_step is not None:
+            out = self.prefill_step(self, x, cos, sin, mask, cache)
             if out is not None:
                 return out
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)

@@ -30,6 +30,7 @@ from shardlm.checkpoint.reads import param_reads
 from shardlm.checkpoint.source import open_source
 from shardlm.kernels import choose_mode, install_linears
 from shardlm.kernels.fused import install_fused
+from shardlm.kernels.prefill import install_prefill
 from shardlm.kernels.linear import fast_linear
 from shardlm.models.registry import Family
 from shardlm.models.source import ModelSource
@@ -352,4 +353,5 @@ def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype
     mode, ext = choose_mode(settings.kernels, settings.kernel_dir)
     install_linears(model, mode, ext, keep=mapped)
     fused = install_fused(model, ext, dtype, fixed=not streaming) if settings.fused and mode == "gemv" else 0
-    return KernelChoice(mode, fused, False)
+    prefill = install_prefill(model, ext, dtype) if settings.fused and mode == "gemv" else 0
+    return KernelChoice(mode, fused, False, prefill_layers=prefill)

@@ -33,12 +33,16 @@ class KernelChoice:
     """Serving: prompt chunks of several requests may share a forward pass; False on one-GPU ranks with CUDA-graph
     decode by default, where a product's rounding of a row depends on the rows beside it (SHARDLM_BATCH_INVARIANT;
     runtime/serve_step.py)."""
+    prefill_layers: int = 0
+    """Decoder layers whose float32 prefill runs its element-wise work compiled (CPU, gemv; kernels/prefill.py)."""
 
     def describe(self) -> str:
         """e.g. "gemv, fused decode in 30 layers"."""
         parts = [self.linear]
         if self.fused_layers:
             parts.append(f"fused decode in {self.fused_layers} layers")
+        if self.prefill_layers:
+            parts.append(f"fused prefill in {self.prefill_layers} layers")
         if self.joined_layers:
             parts.append(f"q/k/v and gate/up joined in {self.joined_layers} layers")
         if self.cuda_graphs:
