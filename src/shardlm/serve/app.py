@@ -95,18 +95,32 @@ class Service:
             raise ApiError(503, reason)
 
 
+class KeyCheck:
+    """ASGI middleware: a request to /v1/ without the server's API key gets 401; every other request passes
+    through untouched. (FastAPI's @app.middleware("http") would pass each chunk of a streamed response through a
+    memory stream and a task of its own, a cost on every token of every stream.)"""
+
+    def __init__(self, app, service: Service):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send) -> None:
+        key = self.service.api_key
+        if key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if sent != f"Bearer {key}":
+                response = error_response(401, "a wrong or missing API key: send the header "
+                                               "'Authorization: Bearer KEY' with the server's --api-key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(service: Service) -> FastAPI:
     """The FastAPI app for `service`."""
     app = FastAPI(title="shardlm", version=shardlm.__version__, docs_url=None, redoc_url=None)
     app.state.service = service
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if service.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {service.api_key}":
-                return error_response(401, "a wrong or missing API key: send the header "
-                                           "'Authorization: Bearer KEY' with the server's --api-key")
-        return await call_next(request)
+    app.add_middleware(KeyCheck, service=service)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
