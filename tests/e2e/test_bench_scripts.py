@@ -31,3 +31,14 @@ def test_decode_products_prints_one_line_per_row_count_and_place():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 4 and all(float(r.split("|")[4]) > 0 for r in rows), out.stdout
+
+
+def test_few_rows_prints_both_kernels_with_the_same_bits():
+    """`bench/few_rows.py` at 3 and 20 rows, 2 rounds: a table row for each, both kernels timed, the same bits."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "few_rows.py"), "--rows", "3,20", "--rounds", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| 3 |") or line.startswith("| 20 |")]
+    assert len(rows) == 2 and all(float(r[2]) > 0 and float(r[3]) > 0 and r[5].strip() == "yes" for r in rows), \
+        out.stdout
