@@ -59,19 +59,24 @@ inline float store<float>(float v) { return v; }
 template <>
 inline uint16_t store<uint16_t>(float v) { return c10::BFloat16(v).x; }  // round to nearest even
 
-// Rotate each head (hd values, half-split convention) of b rows x heads by cos/sin (b, hd).
-inline void rope_rows(float* v, const float* cos, const float* sin, int64_t b, int64_t heads, int64_t hd) {
+// One head of hd values rotated by cos/sin (hd each), half-split convention: out = x * cos + rotate_half(x) * sin,
+// each product rounded on its own, then the sum (a * c - e * s is a * c + (-e) * s bit for bit), as the module
+// path's torch ops round it. `out` may be `x`.
+inline void rotate_head(const float* x, const float* c, const float* s, float* out, int64_t hd) {
   const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], e = x[i + half];
+    out[i] = a * c[i] - e * s[i];
+    out[i + half] = e * c[i + half] + a * s[i + half];
+  }
+}
+
+// Rotate each head (hd values, half-split convention) of b rows x heads by cos/sin (b, hd), in place.
+inline void rope_rows(float* v, const float* cos, const float* sin, int64_t b, int64_t heads, int64_t hd) {
   for (int64_t j = 0; j < b; ++j)
     for (int64_t h = 0; h < heads; ++h) {
       float* x = v + (j * heads + h) * hd;
-      const float* c = cos + j * hd;
-      const float* s = sin + j * hd;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = x[i], e = x[i + half];
-        x[i] = a * c[i] - e * s[i];
-        x[i + half] = e * c[i + half] + a * s[i + half];
-      }
+      rotate_head(x, cos + j * hd, sin + j * hd, x, hd);
     }
 }
 

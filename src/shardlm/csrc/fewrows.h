@@ -23,7 +23,8 @@
 namespace shardlm {
 
 // Passes of up to this many rows take few_rows_gemm: two blocks of x rows. With AVX-512 (VL 16) a 17-32-row pass of the
-// bundled model's 30 layers took 27-28 ms in place against 33-37 ms through panels, 48 rows 45.9 against 44.0.
+// bundled model's 30 layers took 27-28 ms in place against 33-37 ms through panels, 48 rows 45.6 against 43.9
+// (python bench/few_rows.py, bench/RESULTS.md).
 constexpr int64_t FEW_ROWS = 2 * VL;
 #if defined(__AVX512F__)
 constexpr int FEW_R = 6, FEW_JB = 4;  // 24 accumulators + 4 row vectors + 1 broadcast of 32 registers

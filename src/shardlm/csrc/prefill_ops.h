@@ -5,9 +5,9 @@
 // A prefill pass of the bundled model spent ~20 % of its time in these as torch ops (a 512-token pass: 67 of 306 ms,
 // torch.profiler): the rotary multiplies ran on transposed views, each norm took five passes and its weight a sixth.
 // Every value here is computed alike whatever the rows beside it, so a token's result does not depend on the batch
-// or on the chunk around it. The norm and the gating are decode's (rows.h rms_norm_rows, attend.h silu_mul), so a
-// prefill and a decode of the same hidden state norm and gate it alike; the rotation rounds as the module path's
-// torch ops do (each product rounded, then the sum), so its bits equal theirs.
+// or on the chunk around it. The norm, the gating and the rotation are decode's (rows.h rms_norm_rows, attend.h
+// silu_mul, decode.h rotate_head), so a prefill and a decode of the same hidden state norm and gate it alike; the
+// rotation rounds as the module path's torch ops do (each product rounded, then the sum), so its bits equal theirs.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "attend.h"
+#include "decode.h"
 #include "rows.h"
 
 namespace shardlm {
@@ -57,7 +58,7 @@ inline torch::Tensor rope_heads(torch::Tensor x, torch::Tensor cos, torch::Tenso
   for (auto [t, name] : {std::pair{&x, "x"}, {&cos, "cos"}, {&sin, "sin"}}) check_f32(*t, "rope_heads", name);
   TORCH_CHECK(x.dim() == 3 && hd > 0 && hd % 2 == 0 && x.size(2) % hd == 0, "rope_heads: x (b, s, heads * ", hd,
               ") expected, got ", x.sizes());
-  const int64_t b = x.size(0), s = x.size(1), heads = x.size(2) / hd, half = hd / 2;
+  const int64_t b = x.size(0), s = x.size(1), heads = x.size(2) / hd;
   TORCH_CHECK(cos.numel() == b * s * hd && sin.numel() == b * s * hd, "rope_heads: cos and sin (", b, ", 1, ", s,
               ", ", hd, ") expected, got ", cos.sizes(), " and ", sin.sizes());
   auto out = torch::empty({b, heads, s, hd}, x.options());
@@ -66,15 +67,9 @@ inline torch::Tensor rope_heads(torch::Tensor x, torch::Tensor cos, torch::Tenso
   at::parallel_for(0, b * heads, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t g = lo; g < hi; ++g) {
       const int64_t j = g / heads, h = g % heads;
-      for (int64_t p = 0; p < s; ++p) {
-        const float* in = xp + ((j * s + p) * heads + h) * hd;
-        const float *c = cp + (j * s + p) * hd, *sn = sp + (j * s + p) * hd;
-        float* o = op + ((j * heads + h) * s + p) * hd;
-        for (int64_t i = 0; i < half; ++i) {  // x * cos + rotate_half(x) * sin, each product rounded on its own
-          o[i] = in[i] * c[i] + (-in[i + half]) * sn[i];
-          o[i + half] = in[i + half] * c[i + half] + in[i] * sn[i + half];
-        }
-      }
+      for (int64_t p = 0; p < s; ++p)  // position p of head h: from (j, p, h) to (j, h, p)
+        rotate_head(xp + ((j * s + p) * heads + h) * hd, cp + (j * s + p) * hd, sp + (j * s + p) * hd,
+                    op + ((j * heads + h) * s + p) * hd, hd);
     }
   });
   return out;

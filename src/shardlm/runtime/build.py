@@ -352,6 +352,7 @@ def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype
                             not (graphs and settings.batch_invariant))
     mode, ext = choose_mode(settings.kernels, settings.kernel_dir)
     install_linears(model, mode, ext, keep=mapped)
-    fused = install_fused(model, ext, dtype, fixed=not streaming) if settings.fused and mode == "gemv" else 0
-    prefill = install_prefill(model, ext, dtype) if settings.fused and mode == "gemv" else 0
-    return KernelChoice(mode, fused, False, prefill_layers=prefill)
+    if not (settings.fused and mode == "gemv"):
+        return KernelChoice(mode, 0, False)
+    fused = install_fused(model, ext, dtype, fixed=not streaming)
+    return KernelChoice(mode, fused, False, prefill_layers=install_prefill(model, ext, dtype))
