@@ -351,3 +351,49 @@ def test_decode_attention_unchanged_by_a_masked_key_inside_the_row(dtype, ext):
         outs.append(ext.attn_decode(x, ln, 1e-5, ws, None, None, None, None, cos, sin, kc, vc, torch.tensor([0]),
                                     torch.tensor([pos]), torch.tensor([0, 0, 1, 1]), mask, None, True, None))
     assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hd", [(6, 64), (5, 36), (3, 8)])
+def test_decode_attention_of_a_head_does_not_depend_on_its_group(hq, hd, dtype, ext):
+    """The query heads that read one KV head are attended together, up to four at a time (csrc/decode_attn.h): six
+    heads run as a group of four and one of two, five as four and one. Each head's output equals its output as the
+    only query head (bit for bit), and a float64 softmax(K q / sqrt(hd)) V over the cache to float32 rounding. The
+    o projection is the identity, so the output is the heads themselves; rows have holes in their masks and
+    different lengths, and hd 36 leaves a tail of four columns past the vector blocks."""
+    g = torch.Generator().manual_seed(7)
+    rows, hkv, slots, length = 3, 1, 4, 50
+    dim = hq * hd
+    x, ln, ws, cos, sin = fused_block_inputs(dtype, g, rows, dim=dim, hq=hq, hkv=hkv, hd=hd)
+    kc, vc = (torch.randn(slots, hkv, length, hd, generator=g).to(dtype) for _ in range(2))
+    slot, pos = torch.tensor([2, 0, 3]), torch.tensor([37, 12, 48])
+    mask = torch.arange(pos.max() + 1)[None] <= pos[:, None]  # (rows, t)
+    mask[0, 5:9] = False
+    mask[2, :3] = False
+
+    def attend(wq, heads):  # the o projection puts the heads in the output's first heads * hd columns
+        k2, v2 = kc.clone(), vc.clone()
+        o = torch.eye(dim, heads * hd).to(dtype)
+        out = ext.attn_decode(x, ln, 1e-5, [wq, ws[1], ws[2], o], None, None, None, None, cos, sin, k2, v2, slot, pos,
+                              torch.zeros(heads, dtype=torch.long), mask, None, False, None)
+        return out, k2, v2
+
+    together, keys, vals = attend(ws[0], hq)
+    for h in range(hq):
+        alone, _, _ = attend(ws[0][h * hd:(h + 1) * hd], 1)
+        assert torch.equal(alone[:, :hd], together[:, h * hd:(h + 1) * hd]), f"head {h}"
+    # float64 reference, from the q the kernel rotated: recompute q as the module path does
+    x64 = x.double()
+    xn = (x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * ln.double()).to(dtype).double()
+    q = (xn @ ws[0].double().T).view(rows, hq, hd)
+    half = hd // 2
+    rot = torch.cat([-q[..., half:], q[..., :half]], -1)
+    q = q * cos.double()[:, None] + rot * sin.double()[:, None]
+    for j in range(rows):
+        k, v = keys[slot[j], 0, :pos[j] + 1].double(), vals[slot[j], 0, :pos[j] + 1].double()
+        s = (q[j] @ k.T) / hd ** 0.5
+        s = s.masked_fill(~mask[j, :pos[j] + 1], float("-inf"))
+        want = (s.softmax(-1) @ v).reshape(-1)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        err = (together[j].double() - want).abs().max()
+        assert torch.allclose(together[j].double(), want, atol=tol, rtol=tol), f"row {j}: off by {err}"

@@ -1,5 +1,6 @@
-// Decode attention over the KV cache and the MLP's activation, vectorised: an exp over eight or sixteen lanes,
-// silu(g) * u, and each row's attention for a run of query heads that read one KV head.
+// The vector pieces of attention and of the MLP's activation: an exp over eight or sixteen lanes, silu(g) * u, the
+// shifted exp of a row of scores, a row's allowed span and cost-balanced runs of tasks (decode attention itself is
+// decode_attn.h; prefill's, prefill_attn.h).
 #pragma once
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -91,8 +92,8 @@ inline void silu_mul(float* a, const float* g, int64_t n) {
   }
 }
 
-// p[s] = e^(p[s] - top) where allowed[s], else 0, over t scores; returns their sum, added in order s = 0, 1, ...
-inline float softmax_weights(float* p, const bool* allowed, float top, int64_t t) {
+// p[s] = e^(p[s] - top) over t scores, lane by lane (masked keys too: the caller zeroes them).
+inline void exp_shifted(float* p, float top, int64_t t) {
   int64_t s = 0;
 #if defined(__AVX512F__)
   for (; s + 16 <= t; s += 16) {
@@ -110,75 +111,6 @@ inline float softmax_weights(float* p, const bool* allowed, float top, int64_t t
     std::memcpy(&v, p + s, m * sizeof(float));
     v = exp8(v - top);
     std::memcpy(p + s, &v, m * sizeof(float));
-  }
-  float total = 0.f;
-  for (int64_t s = 0; s < t; ++s) {
-    p[s] = allowed[s] ? p[s] : 0.f;
-    total += p[s];
-  }
-  return total;
-}
-
-// p[s] = K[s] . q for t keys of hd values (keys `hd` apart): eight keys at a time, each key's eight lanes fused over
-// hd in order, the lanes added in order (lane_sums8), then the products past the last multiple of 8; a score does
-// not depend on t or on the key's place.
-template <typename W>
-inline void key_scores(const W* keys, const float* q, float* p, int64_t t, int64_t hd) {
-  const int64_t hh = hd - hd % 8;
-  v8f acc[8];
-  float out[8];
-  int64_t s0 = 0;
-  for (; s0 + 8 <= t; s0 += 8) {
-    for (int r = 0; r < 8; ++r) acc[r] = v8f{};
-    for (int64_t i = 0; i < hh; i += 8) {
-      const v8f qv = load8<float>(q + i);
-      for (int r = 0; r < 8; ++r) acc[r] = fma8(load8<W>(keys + (s0 + r) * hd + i), qv, acc[r]);
-    }
-    lane_sums8(acc, 8, p + s0);
-  }
-  for (; s0 < t; ++s0) {  // the last few keys, one at a time, alike
-    acc[0] = v8f{};
-    for (int64_t i = 0; i < hh; i += 8) acc[0] = fma8(load8<W>(keys + s0 * hd + i), load8<float>(q + i), acc[0]);
-    lane_sums8(acc, 1, out);
-    p[s0] = out[0];
-  }
-  if (hh < hd)
-    for (int64_t s = 0; s < t; ++s)
-      for (int64_t i = hh; i < hd; ++i) p[s] += load<W>(keys, s * hd + i) * q[i];
-}
-
-// o[0:64] = sum_s w[s] V[s, 0:64] over t values `ld` apart, skipping zero weights: eight accumulators that stay in
-// registers while the values stream (indexed only by constants).
-template <typename W>
-__attribute__((always_inline)) inline void values_block64(const W* vals, int64_t ld, const float* w, float* o,
-                                                          int64_t t) {
-  v8f acc[8];
-  for (int c = 0; c < 8; ++c) acc[c] = v8f{};
-  for (int64_t s = 0; s < t; ++s) {
-    if (w[s] == 0.f) continue;
-    const v8f ws = v8f{} + w[s];
-    for (int c = 0; c < 8; ++c) acc[c] = fma8(load8<W>(vals + s * ld + 8 * c), ws, acc[c]);
-  }
-  for (int c = 0; c < 8; ++c) std::memcpy(o + 8 * c, &acc[c], sizeof(v8f));
-}
-
-// o = sum_s w[s] V[s] over t values of hd, skipping zero weights: blocks of 64 columns, then of eight (a column's
-// sum is the same chain of FMAs over s in either), then the last hd % 8 columns one at a time.
-template <typename W>
-inline void weighted_values(const W* vals, const float* w, float* o, int64_t t, int64_t hd) {
-  int64_t i = 0;
-  for (; i + 64 <= hd; i += 64) values_block64<W>(vals + i, hd, w, o + i, t);
-  for (; i + 8 <= hd; i += 8) {
-    v8f acc = v8f{};
-    for (int64_t s = 0; s < t; ++s)
-      if (w[s] != 0.f) acc = fma8(load8<W>(vals + s * hd + i), v8f{} + w[s], acc);
-    std::memcpy(o + i, &acc, sizeof(v8f));
-  }
-  for (; i < hd; ++i) {
-    float acc = 0.f;
-    for (int64_t s = 0; s < t; ++s)
-      if (w[s] != 0.f) acc += w[s] * load<W>(vals, s * hd + i);
-    o[i] = acc;
   }
 }
 
@@ -207,45 +139,6 @@ inline std::vector<int64_t> cost_runs(int64_t n, int64_t parts, Cost cost) {
     while (part < parts && sum >= total * part / parts) bounds[part++] = i + 1;
   }
   return bounds;
-}
-
-// Attention of one token per row j over the cache: for each query head h, softmax(K q_h / sqrt(hd)) V, with K and
-// V the rows of KV head map[h] of slot row_of[j], positions allowed by mask (b, t), each row over its own allowed
-// span (allowed_span).
-//   q (b, hq, hd) float32; keys/vals: the cache (slots, hkv, max_len, hd) in W; out (b, hq, hd) float32.
-// Tasks are (row, head) pairs; each one's arithmetic is the same whatever the batch (batch invariance). The threads
-// take runs of tasks of about equal cost (a task costs its span plus a fixed part), so a batch of a few long rows
-// and many short ones keeps every thread busy: equal counts of tasks left one thread with the long rows.
-template <typename W>
-void attend_heads(const float* q, const W* keys, const W* vals, const int64_t* row_of, const int64_t* map,
-                  const bool* mask, float* out, int64_t b, int64_t hq, int64_t hkv, int64_t hd, int64_t max_len,
-                  int64_t t) {
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  std::vector<std::pair<int64_t, int64_t>> spans(static_cast<size_t>(b));
-  for (int64_t j = 0; j < b; ++j) spans[j] = allowed_span(mask + j * t, t);
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), b * hq);
-  const auto runs = cost_runs(b * hq, parts, [&](int64_t task) {
-    const auto [lo, hi] = spans[task / hq];
-    return static_cast<double>(hi - lo + 8);  // + 8: the per-task setup, in positions' worth
-  });
-  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> p(static_cast<size_t>(t));
-    for (int64_t task = runs[first]; task < runs[last]; ++task) {
-      const int64_t j = task / hq, h = task % hq;
-      const auto [lo, hi] = spans[j];
-      const int64_t base = ((row_of[j] * hkv + map[h]) * max_len + lo) * hd, n = hi - lo;
-      const bool* allowed = mask + j * t + lo;
-      key_scores<W>(keys + base, q + task * hd, p.data(), n, hd);
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < n; ++s) {
-        p[s] = p[s] * scale;
-        if (allowed[s]) top = std::max(top, p[s]);
-      }
-      const float inv = 1.f / softmax_weights(p.data(), allowed, top, n);
-      for (int64_t s = 0; s < n; ++s) p[s] = p[s] * inv;
-      weighted_values<W>(vals + base, p.data(), out + task * hd, n, hd);
-    }
-  });
 }
 
 }  // namespace shardlm

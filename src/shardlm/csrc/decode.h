@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "attend.h"
+#include "decode_attn.h"
 #include "q4tiles.h"
 #include "qrows.h"
 #include "rows.h"
