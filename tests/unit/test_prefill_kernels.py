@@ -176,7 +176,7 @@ def test_float_prefill_in_place_and_through_panels_give_the_same_bits(n, k, dtyp
     off the blocks of 8 or 16 rows and off the panel tiles of 12, 8, 4 and 2; the few_rows argument forces either."""
     g = torch.Generator().manual_seed(3 * n + k)
     w = torch.randn(n, k, generator=g).to(dtype)
-    for b in (1, 3, 16, 17, 23, 32, 33, 45):  # one, two and three blocks of x rows in place
+    for b in (1, 3, 16, 17, 23, 32, 33, 45, 64, 65, 100, 128, 129):  # one to nine blocks of x rows in place
         x = torch.randn(b, k, generator=g)
         panels, in_place = ext.prefill_float(x, w, 0), ext.prefill_float(x, w, 1000)
         assert torch.equal(panels, in_place), b

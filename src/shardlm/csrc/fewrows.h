@@ -19,19 +19,21 @@
 #include <vector>
 
 #include "qgemm.h"
+#include "rows.h"
 
 namespace shardlm {
 
-// Passes of up to this many rows take few_rows_gemm: two blocks of x rows. With AVX-512 (VL 16) a 17-32-row pass of the
-// bundled model's 30 layers took 27-28 ms in place against 33-37 ms through panels, 48 rows 45.6 against 43.9
-// (python bench/few_rows.py, bench/RESULTS.md).
-constexpr int64_t FEW_ROWS = 2 * VL;
+// Passes of up to this many rows take few_rows_gemm. With AVX-512 (VL 16) eight blocks of x rows: tiles of 12 weight
+// rows by two blocks swept over the blocks while the rows stay in L1, each sweep asking for its share of the next
+// rows, took the bundled model's 30 layers of products (from memory) in 39.7 ms at 64 rows, 56.0 at 96 and 73.2 at
+// 128 against the panels' 52.8, 61.4 and 74.5; 160 rows 90.9 against 89.6 (python bench/few_rows.py,
+// bench/RESULTS.md). With AVX2, two blocks (16 rows), as measured before the sweeps.
 #if defined(__AVX512F__)
-constexpr int FEW_R = 6, FEW_JB = 4;  // 24 accumulators + 4 row vectors + 1 broadcast of 32 registers
-constexpr int FEW_R1 = 12, FEW_R2 = 12;  // one block: 12 + 1 + 1; two blocks: 24 + 2 + 1
+constexpr int64_t FEW_ROWS = 8 * VL;
+constexpr int FEW_R1 = 12, FEW_R2 = 12;  // one block: 12 accumulators + 1 row vector + 1 broadcast; two: 24 + 2 + 1
 #else
-constexpr int FEW_R = 4, FEW_JB = 2;  // 8 + 2 + 1 of 16
-constexpr int FEW_R1 = 8, FEW_R2 = FEW_R;  // one block: 8 + 1 + 1
+constexpr int64_t FEW_ROWS = 2 * VL;
+constexpr int FEW_R1 = 8, FEW_R2 = 4;  // one block: 8 + 1 + 1 of 16 registers; two: 8 + 2 + 1
 #endif
 
 // *p (float32, or bfloat16 bits) as a float in every lane.
@@ -54,13 +56,25 @@ inline std::vector<float> rows_by_blocks(const float* x, int64_t b, int64_t k) {
 }
 
 // y[j, r] for weight rows [r0, r0 + R) and x rows of blocks [jb0, jb0 + JB): one FMA chain per output over k.
+// Sweep `sweep` of the `sweeps` these weight rows make over the blocks asks the cache for its share of the next R
+// rows (prefetch_next_tile), a line of each every 16 columns' worth, so that memory streams through every sweep, the
+// ones from L1 too (30 layers from memory: 16 rows 19.1-20.5 -> 14.3-14.5 ms, 64 rows 44.0-44.6 -> 38.9-39.8;
+// bench/few_rows.py, builds alternating). It changes no arithmetic.
 template <typename W, int R, int JB>
 inline void few_rows_tile(const float* xt, int64_t k, const W* w, int64_t r0, int64_t jb0, float* y, int64_t n,
-                          int64_t b) {
+                          int64_t b, int sweep, int sweeps) {
   vpf acc[R][JB];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < JB; ++q) acc[r][q] = vpf{};
+  const int64_t share = (k + sweeps - 1) / sweeps;
+  int64_t ahead = sweep * share;  // the next tile's columns [ahead, ahead_end) are this sweep's to ask for
+  const int64_t ahead_end = std::min(k, ahead + share);
+  int wait = 0;
   for (int64_t c = 0; c < k; ++c) {
+    if (++wait == sweeps) {  // one column of the share every `sweeps` columns: the share spreads over the sweep
+      wait = 0;
+      if (ahead < ahead_end) prefetch_next_tile<W, R>(w, k, r0, ahead++);  // only at a line's first column
+    }
     vpf xv[JB];
     for (int q = 0; q < JB; ++q) {
       vpf v = load_p(xt + ((jb0 + q) * k + c) * VL);
@@ -89,9 +103,11 @@ inline void few_rows_tile(const float* xt, int64_t k, const W* w, int64_t r0, in
 template <typename W, int R, int JB>
 inline void few_rows_weight_rows(const float* xt, int64_t k, const W* w, int64_t r0, float* y, int64_t n, int64_t b) {
   const int64_t blocks = (b + VL - 1) / VL;
+  const int sweeps = static_cast<int>(blocks / JB + blocks % JB);
+  int sweep = 0;
   int64_t q = 0;
-  for (; q + JB <= blocks; q += JB) few_rows_tile<W, R, JB>(xt, k, w, r0, q, y, n, b);
-  for (; q < blocks; ++q) few_rows_tile<W, R, 1>(xt, k, w, r0, q, y, n, b);
+  for (; q + JB <= blocks; q += JB) few_rows_tile<W, R, JB>(xt, k, w, r0, q, y, n, b, sweep++, sweeps);
+  for (; q < blocks; ++q) few_rows_tile<W, R, 1>(xt, k, w, r0, q, y, n, b, sweep++, sweeps);
 }
 
 // Weight rows [lo, hi) in tiles of R rows by JB blocks of x rows, the last rows one at a time.
@@ -104,9 +120,11 @@ inline void few_rows_range(const float* xt, int64_t k, const W* w, int64_t lo, i
 }
 
 // y (b, n) = x (b, k) @ w^T for a float32 or bfloat16 weight (n, k) in place; b <= FEW_ROWS is where it pays.
-// One or two blocks of x rows take taller tiles: a tile of 6 weight rows by one block kept six FMA chains in flight,
-// too few to fill two FMA units of four cycles' latency (a 16-row pass of the bundled model's 30 layers took 33.6 ms;
-// 12 rows by one block, 15.6 ms in a scratch form). Every tile runs the same chains, so the bits do not change.
+// One block of x rows takes tiles of FEW_R1 weight rows; more blocks, tiles of FEW_R2 rows by two blocks swept over
+// all of them (a last odd block alone). A tile of 6 weight rows by one block had kept six FMA chains in flight, too
+// few to fill two FMA units of four cycles' latency (a 16-row pass of the bundled model's 30 layers took 33.6 ms; 12
+// rows by one block, 15.6 ms in a scratch form); 6 by 4 blocks read four x vectors from L2 per column (64 rows: 56.7
+// ms against 44.5 for 12 by 2, swept). Every tile runs the same chains, so the bits do not change.
 template <typename W>
 inline void few_rows_gemm(const float* x, int64_t b, int64_t k, const W* w, int64_t n, float* y) {
   const std::vector<float> xt = rows_by_blocks(x, b, k);
@@ -114,10 +132,8 @@ inline void few_rows_gemm(const float* x, int64_t b, int64_t k, const W* w, int6
   at::parallel_for(0, n, 48, [&](int64_t lo, int64_t hi) {
     if (blocks == 1)
       few_rows_range<W, FEW_R1, 1>(xt.data(), k, w, lo, hi, y, n, b);
-    else if (blocks == 2)
-      few_rows_range<W, FEW_R2, 2>(xt.data(), k, w, lo, hi, y, n, b);
     else
-      few_rows_range<W, FEW_R, FEW_JB>(xt.data(), k, w, lo, hi, y, n, b);
+      few_rows_range<W, FEW_R2, 2>(xt.data(), k, w, lo, hi, y, n, b);
   });
 }
 
