@@ -23,7 +23,7 @@ from shardlm.models.source import ModelSource
 from shardlm.parallel.launch import store_listener, threads_per_rank
 from shardlm.plan.plan import Plan
 from shardlm.runtime.protocol import RankLaunch
-from shardlm.settings import Settings
+from shardlm.settings import Settings, huge_page_children
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,9 @@ class RankGroup:
                 p = ctx.Process(target=_rank_main, daemon=True, name=f"shardlm-rank{rank}",
                                 args=(launch, self.inboxes[rank], self.outbox, listener if rank == 0 else None,
                                       self.stamps))
-                p.start()
+                # huge pages where the weights stay put: a rank that streams layers keeps its 1 MiB mmap threshold
+                with huge_page_children(self.settings.huge_pages and launch.spec.offload.tier == "none"):
+                    p.start()
                 self.procs.append(p)
         finally:
             listener.close()  # rank 0 holds its own copy
