@@ -1,13 +1,13 @@
 """Float32 prefill products of a few rows, in place (csrc/fewrows.h) against through panels (csrc/qgemm.h), in one
 process: where the crossover `FEW_ROWS` belongs.
 
-    python bench/few_rows.py [--rows 8,16,17,24,32,48,64] [--rounds 6]
+    python bench/few_rows.py [--rows 8,16,17,24,32,48,64] [--rounds 6] [--arch native]
 
 The bundled model's seven products of a layer over 30 layers of distinct random weights (from memory, as a prefill
 pass reads them), at each row count through both kernels (the `few_rows` argument of `prefill_float` forces one),
 alternating within each round; the median ms of a pass over the 30 layers, and whether both gave the same bits (they
 must: one FMA chain per output over k in order either way). Run it on another tree with
-PYTHONPATH=<tree>/src to compare builds.
+PYTHONPATH=<tree>/src to compare builds; --arch haswell times the AVX2 build (on this CPU).
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="8,16,17,24,32,48,64")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--arch", default="native", help="the kernels' -march target (haswell: the AVX2 build)")
     args = ap.parse_args()
     set_malloc(False)
-    ext = extension(Settings.from_env().kernel_dir)
+    ext = extension(Settings.from_env().kernel_dir, args.arch)
     g = torch.Generator().manual_seed(0)
     layers = [[torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     print("| rows | in place ms | panels ms | in place / panels | same bits |")

@@ -27,12 +27,12 @@ namespace shardlm {
 // rows by two blocks swept over the blocks while the rows stay in L1, each sweep asking for its share of the next
 // rows, took the bundled model's 30 layers of products (from memory) in 39.7 ms at 64 rows, 56.0 at 96 and 73.2 at
 // 128 against the panels' 52.8, 61.4 and 74.5; 160 rows 90.9 against 89.6 (python bench/few_rows.py,
-// bench/RESULTS.md). With AVX2, two blocks (16 rows), as measured before the sweeps.
-#if defined(__AVX512F__)
+// bench/RESULTS.md). An AVX2 build (VL 8; timed on the same AVX-512 host) also wins through eight blocks: 32 rows
+// 34.0 against 46.8 ms, 64 rows 65.6 against 71.5.
 constexpr int64_t FEW_ROWS = 8 * VL;
+#if defined(__AVX512F__)
 constexpr int FEW_R1 = 12, FEW_R2 = 12;  // one block: 12 accumulators + 1 row vector + 1 broadcast; two: 24 + 2 + 1
 #else
-constexpr int64_t FEW_ROWS = 2 * VL;
 constexpr int FEW_R1 = 8, FEW_R2 = 4;  // one block: 8 + 1 + 1 of 16 registers; two: 8 + 2 + 1
 #endif
 
