@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_replay import kernel_profile, replay_ms
 from shardlm.models.presets import PRESETS
 from shardlm.models.random import write_random_checkpoint
 
@@ -87,7 +88,7 @@ class Shardlm:
 
     def __init__(self, folder: Path, dtype: torch.dtype, quantization=None, budget=None, prefetch=True,
                  graphs: bool = True, compile: bool = False, join: bool = True, host_inputs: bool = False,
-                 ahead: bool = True, compile_mode: str | None = None):
+                 ahead: bool = True, compile_mode: str | dict | None = None):
         from shardlm.engine.session import plan_run
         from shardlm.parallel.context import ParallelContext
         from shardlm.plan.run import RunFlags
@@ -105,7 +106,8 @@ class Shardlm:
         graphs = self.model.graphs
         if compile_mode and graphs is not None:  # a bench-only experiment: another Inductor mode
             from shardlm.runtime.cuda_graph import decode_step
-            graphs.step_fn = torch.compile(decode_step, dynamic=False, mode=compile_mode)
+            options = {"mode": compile_mode} if isinstance(compile_mode, str) else {"options": compile_mode}
+            graphs.step_fn = torch.compile(decode_step, dynamic=False, **options)
         if (host_inputs or not ahead) and graphs is not None:
             pick = graphs.decoder
 
@@ -125,49 +127,15 @@ class Shardlm:
         dec = next(reversed(graphs.kept.values()), None) if graphs is not None else None
         return dec if dec is not None and dec.graph is not None else None
 
-    @torch.inference_mode()
     def replay_ms(self, n: int = 50) -> float | None:
-        """GPU time of one decode step: n replays of the last captured graph back to back, timed with events
-        (its cache slots from 0 on are overwritten; the next generate call starts from an empty cache anyway)."""
+        """GPU time of one decode step (gpu_replay.replay_ms), None without a captured graph."""
         dec = self._last_captured()
-        if dec is None:
-            return None
-        dec.slot.fill_(0)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            dec.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / n
+        return None if dec is None else replay_ms(dec, n)
 
-    @torch.inference_mode()
     def kernel_profile(self, n: int = 20, top: int = 25) -> dict | None:
-        """Where a decode step's GPU time goes: torch.profiler's CUDA kernels over n replays of the last captured
-        graph ("replay"; empty where the profiler does not see inside graphs) and over n uncaptured calls of the
-        same step ("step": the kernels one by one, launch gaps excluded), each kernel's microseconds per step."""
-        from torch.profiler import ProfilerActivity, profile
-
+        """Where a decode step's GPU time goes (gpu_replay.kernel_profile), None without a captured graph."""
         dec = self._last_captured()
-        if dec is None:
-            return None
-        out = {}
-        for label, run in (("replay", dec.graph.replay), ("step", dec._forward)):
-            dec.slot.fill_(0)  # slots 0..n-1 of its cache, as in replay_ms
-            run()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(n):
-                    run()
-                torch.cuda.synchronize()
-            kernels = [{"name": e.key[:120], "calls_per_step": e.count / n,
-                        "us_per_step": getattr(e, "self_device_time_total", 0) / n}
-                       for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
-            kernels.sort(key=lambda k: -k["us_per_step"])
-            out[label] = {"total_us_per_step": sum(k["us_per_step"] for k in kernels),
-                          "kernels_per_step": sum(k["calls_per_step"] for k in kernels), "top": kernels[:top]}
-        return out
+        return None if dec is None else kernel_profile(dec, n, top)
 
     def generate(self, ids: list[int], new: int) -> list[int]:
         from shardlm.runtime.protocol import SamplingParams
@@ -281,12 +249,16 @@ def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
+# compiled-cdt: max-autotune-no-cudagraphs plus coordinate-descent tuning of each generated kernel (as gpt-fast)
+CDT = {"max_autotune": True, "triton.cudagraphs": False, "coordinate_descent_tuning": True}
+
 VARIANTS = {
     "host-inputs": lambda f, d: Shardlm(f, d, join=False, host_inputs=True),
     "step-by-step": lambda f, d: Shardlm(f, d, ahead=False),
     "unjoined": lambda f, d: Shardlm(f, d, join=False),
     "compiled": lambda f, d: Shardlm(f, d, compile=True),
     "compiled-default-mode": lambda f, d: Shardlm(f, d, compile=True, compile_mode="default"),
+    "compiled-cdt": lambda f, d: Shardlm(f, d, compile=True, compile_mode=CDT),
     "engine": lambda f, d: EngineSystem(f, d),
     "engine-eager": lambda f, d: EngineSystem(f, d, graphs=False),
     "engine-no-ahead": lambda f, d: EngineSystem(f, d, ahead=False),
@@ -298,10 +270,11 @@ VARIANTS = {
 positions and slot and reading each token before the next replay (the path before 2026-11-26); step-by-step, the
 replay advancing its own inputs but the host still reading each token before the next replay; unjoined, q/k/v
 and gate/up as separate products; compiled, the step compiled before capture (SHARDLM_CUDA_COMPILE=1: Inductor's
-max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode; engine and
-engine-eager, the engine's path (`shardlm generate` and `serve`: a rank process) with and without its CUDA graphs;
-engine-no-ahead, reading each step's tokens before launching the next (SHARDLM_CUDA_AHEAD=0); engine-b8,
-engine-eager-b8 and engine-no-ahead-b8, the same with 8 copies of the prompt in one batch (tok/s counts every row)."""
+max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode; compiled-cdt,
+the shipped mode plus coordinate-descent tuning (CDT); engine and engine-eager, the engine's path (`shardlm generate`
+and `serve`: a rank process) with and without its CUDA graphs; engine-no-ahead, reading each step's tokens before
+launching the next (SHARDLM_CUDA_AHEAD=0); engine-b8, engine-eager-b8 and engine-no-ahead-b8, the same with 8 copies
+of the prompt in one batch (tok/s counts every row)."""
 
 
 def decode_row(label: str, name: str, system, folder: Path, samples: list[float], tokens: dict) -> dict:

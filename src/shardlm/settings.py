@@ -16,7 +16,8 @@ its launch message; nothing below reads an environment variable itself. Variable
 - ``SHARDLM_BATCH_INVARIANT``: ``0`` lets a one-GPU serving rank with CUDA-graph decode prefill several prompts'
   chunks in one forward pass, and the engine fill each step's prefill budget by cutting chunks short (sooner
   first tokens when many prompts arrive at once); by default each chunk is its prompt's own and runs in its own
-  pass, as a GPU's products round a row by the rows beside it (runtime/serve_step.py, engine/scheduler.py). Other
+  pass, as a GPU's products round a row by the rows beside it (runtime/serve_step.py, engine/scheduler.py), and
+  such a rank keeps attention off cuDNN's SDPA kernel, which parted rows and runs (runtime/slot_graphs.py). Other
   ranks always share passes: CPU kernels round a row alike in any batch, and GPU ranks without graph decode
   (tensor-parallel, pipelined, streamed layers, SHARDLM_CUDA_GRAPHS=0) decode only the rows in use anyway.
 - ``SHARDLM_OFFLOAD_UNCACHED``: ``1`` evicts streamed layers from the page cache after each use, so

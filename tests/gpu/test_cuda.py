@@ -249,6 +249,39 @@ def wide_dir(tmp_path_factory):
     return write_random_checkpoint(config, tmp_path_factory.mktemp("wide") / "m", dtype=torch.bfloat16)
 
 
+@torch.inference_mode()
+def test_a_serving_ranks_8_row_replays_give_the_same_logits_in_every_row_and_run(wide_dir):
+    """A serving rank's decode replay of 8 rows holding one prompt, teacher-forced for 96 steps and run twice a step,
+    gives bit-equal logits in every row and both runs. Written after bench/gpu_rows.py on an H200 (2026-11-26): with
+    the SDPA kernel PyTorch picks (cuDNN's), rows and runs parted from position 71 on; serving ranks now keep
+    attention off it (runtime/slot_graphs.py deterministic_attention). Not yet run on a GPU when written."""
+    from shardlm.runtime.build import build_rank_model
+    from shardlm.runtime.serve_step import SlotRunner, prefill_mask
+
+    plan, source = plan_for(wide_dir, device="cuda", dtype="bfloat16", kv=KVBudget(8, 256, 128))
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        rank = build_rank_model(plan.rank_spec(0), source, ParallelContext(), Settings.from_env({}), "cuda:0")
+        runner = SlotRunner(rank, ParallelContext())
+        assert runner.graphs is not None and not torch.backends.cuda.cudnn_sdp_enabled()
+        prompt = _prompts(read_config(wide_dir)["vocab_size"], [40], seed=7)[0]
+        x, pos = torch.tensor([prompt], device="cuda:0"), torch.arange(40, device="cuda:0")[None, :]  # (1, 40) each
+        mask = prefill_mask([0], 40, None).to("cuda:0")
+        token = {int(rank.module(x, pos, mask, runner.cache.prefill(s, 0, 40), last_only=True)[0, -1].argmax())
+                 for s in range(8)}
+        assert len(token) == 1
+        token = token.pop()
+        for step in range(96):
+            at = [40 + step] * 8
+            first = runner.graphs.logits(list(range(8)), at, [token] * 8)[:, -1]  # (8, vocab)
+            again = runner.graphs.logits(list(range(8)), at, [token] * 8)[:, -1]
+            assert torch.equal(first, again), f"step {step}: the same 8-row replay gave other logits"
+            assert torch.equal(first, first[:1].expand_as(first)), f"step {step}: rows of one prompt differ"
+            token = int(first[0].argmax())
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
 @pytest.mark.parametrize("model,dtype", [("gqa12x4", "float32"), ("gqa12x4", "bfloat16"), ("wide", "bfloat16")])
 def test_copies_of_one_prompt_in_one_engine_batch_decode_the_same_tokens(random_dirs, wide_dir, model, dtype):
     """A request's tokens do not depend on the rows beside it: 8 copies of one prompt in one batch of the engine on

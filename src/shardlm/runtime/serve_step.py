@@ -22,7 +22,7 @@ from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.stages import micro_batch_rows
 from shardlm.runtime.ahead import RunAhead
 from shardlm.runtime.rank_model import RankModel
-from shardlm.runtime.slot_graphs import SlotGraphs
+from shardlm.runtime.slot_graphs import SlotGraphs, deterministic_attention
 from shardlm.runtime.slots import SlotCache, SlotRun
 from shardlm.runtime.step import pick
 from shardlm.runtime.work import Decode, Prefill, Sampled, Step, StepResult
@@ -131,6 +131,8 @@ class SlotRunner:
         self.graphs = SlotGraphs(rank.module, self.cache, self.window) \
             if rank.kernels.cuda_graphs and rank.device.type == "cuda" else None
         """Decode steps as CUDA graph replays on a one-GPU rank (runtime/slot_graphs.py)."""
+        if self.graphs is not None and not rank.kernels.shared_prefill:
+            deterministic_attention()  # the same logits run to run and row to row (runtime/slot_graphs.py)
         self.ahead = RunAhead(self) if self.graphs is not None and rank.kernels.run_ahead else None
         """Greedy decode steps launched before the step ahead of them is read (runtime/ahead.py)."""
 

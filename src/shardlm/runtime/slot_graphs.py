@@ -36,6 +36,16 @@ KEEP = 32
 """Captured (rows, length) shapes kept per rank."""
 
 
+def deterministic_attention() -> None:
+    """Keep this process's attention off cuDNN's fused SDPA kernel (PyTorch then takes its math kernel for a masked,
+    grouped-query call). Measured with bench/gpu_rows.py on an H200 (2026-11-26): Llama-3.2-1B bfloat16, 8 rows of
+    one prompt replayed teacher-forced for 128 steps: with the kernel PyTorch picks (cuDNN's flash forward) the 8-row
+    replay's logits differed run to run, and row from row, from position 71 on; with the math kernel they were
+    the same in every row and every run over all 128 steps. Called by serving ranks that keep rows request-intrinsic
+    (SHARDLM_BATCH_INVARIANT, on by default)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class GraphRun:
     """The cache as a captured decode step sees it (the model's Cache protocol): rows [0, rows) of the slots,
     one new token each at its position, keys and values over the first `length` positions."""
