@@ -249,8 +249,12 @@ def weight_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-# compiled-cdt: max-autotune-no-cudagraphs plus coordinate-descent tuning of each generated kernel (as gpt-fast)
+# compiled-cdt: max-autotune-no-cudagraphs plus coordinate-descent tuning of each generated kernel (as gpt-fast);
+# compiled-aten-mm: the products left to cuBLAS (an H200 profile put 922 of a step's 1095 us in Inductor's fused
+# product reductions, bench/RESULTS.md 2026-11-26 23:00); compiled-triton-mm: only Inductor's own product templates
 CDT = {"max_autotune": True, "triton.cudagraphs": False, "coordinate_descent_tuning": True}
+ATEN_MM = {"max_autotune": True, "triton.cudagraphs": False, "max_autotune_gemm_backends": "ATEN"}
+TRITON_MM = {"max_autotune": True, "triton.cudagraphs": False, "max_autotune_gemm_backends": "TRITON"}
 
 VARIANTS = {
     "host-inputs": lambda f, d: Shardlm(f, d, join=False, host_inputs=True),
@@ -259,6 +263,8 @@ VARIANTS = {
     "compiled": lambda f, d: Shardlm(f, d, compile=True),
     "compiled-default-mode": lambda f, d: Shardlm(f, d, compile=True, compile_mode="default"),
     "compiled-cdt": lambda f, d: Shardlm(f, d, compile=True, compile_mode=CDT),
+    "compiled-aten-mm": lambda f, d: Shardlm(f, d, compile=True, compile_mode=ATEN_MM),
+    "compiled-triton-mm": lambda f, d: Shardlm(f, d, compile=True, compile_mode=TRITON_MM),
     "engine": lambda f, d: EngineSystem(f, d),
     "engine-eager": lambda f, d: EngineSystem(f, d, graphs=False),
     "engine-no-ahead": lambda f, d: EngineSystem(f, d, ahead=False),
@@ -271,7 +277,8 @@ positions and slot and reading each token before the next replay (the path befor
 replay advancing its own inputs but the host still reading each token before the next replay; unjoined, q/k/v
 and gate/up as separate products; compiled, the step compiled before capture (SHARDLM_CUDA_COMPILE=1: Inductor's
 max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode; compiled-cdt,
-the shipped mode plus coordinate-descent tuning (CDT); engine and engine-eager, the engine's path (`shardlm generate`
+the shipped mode plus coordinate-descent tuning (CDT); compiled-aten-mm and compiled-triton-mm, the products on
+cuBLAS or on Inductor's templates only; engine and engine-eager, the engine's path (`shardlm generate`
 and `serve`: a rank process) with and without its CUDA graphs; engine-no-ahead, reading each step's tokens before
 launching the next (SHARDLM_CUDA_AHEAD=0); engine-b8, engine-eager-b8 and engine-no-ahead-b8, the same with 8 copies
 of the prompt in one batch (tok/s counts every row)."""
