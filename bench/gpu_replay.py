@@ -23,8 +23,8 @@ def replay_ms(dec, n: int = 50) -> float:
 @torch.inference_mode()
 def kernel_profile(dec, n: int = 20, top: int = 25) -> dict:
     """Where a decode step's GPU time goes: torch.profiler's CUDA kernels over n replays of a captured
-    GraphDecoder `dec` ("replay"; empty where the profiler does not see inside graphs) and over n uncaptured calls of the
-    same step ("step": the kernels one by one, launch gaps excluded), each kernel's microseconds per step."""
+    GraphDecoder `dec` ("replay"; empty where the profiler does not see inside graphs) and over n uncaptured calls
+    of the same step ("step": the kernels one by one, launch gaps excluded), each kernel's microseconds per step."""
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
