@@ -104,10 +104,8 @@ def module_stack(model: torch.nn.Module, where: list[str]) -> list:
 
 
 def differs(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors differ in shape or in any bit (NaNs in the same places count as equal)."""
-    if a.shape != b.shape:
-        return True
-    return not torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b)
+    """Whether two tensors differ in shape or in any value (a NaN counts as differing, as torch.equal has it)."""
+    return a.shape != b.shape or not torch.equal(a, b)
 
 
 def row_report(lone: dict, batch: dict, again: dict) -> dict | None:
@@ -127,7 +125,7 @@ def row_report(lone: dict, batch: dict, again: dict) -> dict | None:
 
 
 def build(folder: Path, device: str):
-    """A serving rank of the checkpoint (module path: no fused CPU kernels, no graphs) and its decode helpers."""
+    """A serving rank of the checkpoint on `device` (module path: no fused CPU kernels, no graphs)."""
     from shardlm.engine.session import plan_run
     from shardlm.parallel.context import ParallelContext
     from shardlm.plan.plan import KVBudget
