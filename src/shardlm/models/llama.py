@@ -135,11 +135,20 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map:
                       mask: torch.Tensor, regular: bool) -> torch.Tensor:
     """Scaled dot-product attention where query head i reads KV head kv_map[i].
 
-    Regular groups (each KV head serves the same number of consecutive query heads) use SDPA's
-    GQA path without copying K/V; irregular groups (uneven TP splits) gather K/V per query head.
+    Regular groups (each KV head serves the same number of consecutive query heads) copy no K/V: with one position
+    a row (decode) a KV head's query heads attend as that many query positions of one head, a plain SDPA call that
+    CUDA's memory-efficient kernel also takes (with a mask, SDPA's GQA path is cuDNN's kernel or the math kernel,
+    which repeats K/V); with more positions, SDPA's GQA path. Irregular groups (uneven TP splits) gather K/V per
+    query head.
     """
+    b, hq, s, hd = q.shape
+    hkv = k.shape[1]
+    if regular and s == 1 and hq != hkv:
+        folded = q.reshape(b, hkv, hq // hkv, hd)  # (b, hkv, rep, hd): query head kv*rep + r as position r
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)  # mask (b, 1, 1, t) over the rep rows
+        return out.reshape(b, hq, 1, hd)
     if regular:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
     k = k.index_select(1, kv_map)  # (b, hq, t, hd)
     v = v.index_select(1, kv_map)  # (b, hq, t, hd)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -37,12 +37,16 @@ KEEP = 32
 
 
 def deterministic_attention() -> None:
-    """Keep this process's attention off cuDNN's fused SDPA kernel (PyTorch then takes its math kernel for a masked,
-    grouped-query call). Measured with bench/gpu_rows.py on an H200 (2026-11-26): Llama-3.2-1B bfloat16, 8 rows of
-    one prompt replayed teacher-forced for 128 steps: with the kernel PyTorch picks (cuDNN's flash forward) the 8-row
-    replay's logits differed run to run, and row from row, from position 71 on; with the math kernel they were
-    the same in every row and every run over all 128 steps. Called by serving ranks that keep rows request-intrinsic
-    (SHARDLM_BATCH_INVARIANT, on by default)."""
+    """Keep this process's attention off cuDNN's fused SDPA kernel. Measured with bench/gpu_rows.py on an H200
+    (2026-11-26): Llama-3.2-1B bfloat16, 8 rows of one prompt replayed teacher-forced for 128 steps: with the kernel
+    PyTorch picks (cuDNN's flash forward) the 8-row replay's logits differed run to run, and row from row, from
+    position 71 on; with SDPA's math kernel they were the same in every row and every run over all 128 steps.
+    On an H100 (2026-11-27) with cuDNN off: rows and runs equal again, but a masked grouped-query call then took
+    the math kernel, which repeats K/V, and the engine's decode fell from 510 to 400 tok/s (1 row) and from 3700
+    to 2330 (8 rows), and 8 rows no longer matched the lone row. Decode attention now folds a KV head's query heads
+    into query positions (models/llama.py grouped_attention), a call the memory-efficient kernel takes (not yet
+    measured on a GPU). Called by serving ranks that keep rows request-intrinsic (SHARDLM_BATCH_INVARIANT, on by
+    default)."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
