@@ -64,9 +64,13 @@ def extension(kernel_dir: Path, arch: str = "native"):
     be built here. `arch`: the -march target; "native" (this CPU) in use, older targets ("haswell": AVX2
     without AVX-512, "x86-64": no vector extensions past SSE2) to test the fallbacks on this machine."""
     sources = sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
-    # the folder is part of the key: the build command names the source path, so two checkouts sharing
-    # one cache folder would otherwise rebuild each other's extension on every load
-    digest = hashlib.sha1(str(CSRC).encode() + b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
+    # no implicit contraction: every copy of a loop rounds alike (rows.h asks for FMA explicitly); 512-bit vectors
+    # where the CPU has them (GCC's tuning for AMD and Intel cores prefers 256-bit ones in loops it vectorizes)
+    flags = ["-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=off", "-mprefer-vector-width=512"]
+    # the folder and the flags are part of the key: the build command names the source path, so two checkouts
+    # sharing one cache folder would otherwise rebuild each other's extension on every load
+    digest = hashlib.sha1(str(CSRC).encode() + " ".join(flags).encode()
+                          + b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
     target = "" if arch == "native" else "_" + arch.replace("-", "_")
     name = f"shardlm_kernels_{cpu_tag()}_{digest}{target}"
     if name not in _LOADED:
@@ -75,8 +79,6 @@ def extension(kernel_dir: Path, arch: str = "native"):
             from torch.utils.cpp_extension import load
 
             build.mkdir(parents=True, exist_ok=True)
-            # no implicit contraction: every copy of a loop rounds alike (rows.h asks for FMA explicitly)
-            flags = ["-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=off"]
             _LOADED[name] = load(name, [str(CSRC / "kernels.cpp")], extra_cflags=flags, build_directory=str(build),
                                  verbose=False)
             prune_stale_builds(Path(kernel_dir), name)
