@@ -29,3 +29,29 @@ def test_bundled_model_matches_transformers(bundled_dir, prompt64):
     logits, tokens, _ = shardlm_rank(0, 1, str(bundled_dir), [prompt64], 32, False)
     assert_logits_close(logits, ref_logits, torch.ones(1, 64, dtype=torch.bool))
     assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("hq,hkv,dtype", [(9, 3, torch.float32), (32, 8, torch.float32), (8, 1, torch.bfloat16),
+                                          (4, 4, torch.float32)])
+def test_folded_decode_attention_equals_attention_per_query_head(hq, hkv, dtype):
+    """Decode attention with a KV head's query heads folded into query positions (models/llama.py
+    grouped_attention, one position a row) gives what each query head attending its own KV head gives, under
+    per-row masks with holes; a row's output does not depend on the rows beside it to within rounding."""
+    from shardlm.models.llama import grouped_attention
+
+    g = torch.Generator().manual_seed(3)
+    b, t, hd = 5, 37, 16
+    q = torch.randn(b, hq, 1, hd, generator=g).to(dtype)
+    k, v = (torch.randn(b, hkv, t, hd, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(b, 1, 1, t, generator=g) < 0.7
+    mask[..., 0] = True  # every row sees at least one key
+    kv_map = torch.tensor([h // (hq // hkv) for h in range(hq)])
+    folded = grouped_attention(q, k, v, kv_map, mask, True)  # (b, hq, 1, hd)
+    ref = torch.stack([torch.softmax((q[:, h, 0].float()[:, None] * k[:, kv_map[h]].float()).sum(-1) / hd ** 0.5
+                                     + torch.where(mask[:, 0, 0], 0.0, float("-inf")), -1)[:, :, None].mul(
+                                         v[:, kv_map[h]].float()).sum(1) for h in range(hq)], 1)  # (b, hq, hd)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert folded.shape == (b, hq, 1, hd) and folded.dtype == dtype
+    torch.testing.assert_close(folded[:, :, 0].float(), ref, atol=tol, rtol=tol)
+    alone = grouped_attention(q[2:3], k[2:3], v[2:3], kv_map, mask[2:3], True)
+    torch.testing.assert_close(alone.float(), folded[2:3].float(), atol=tol, rtol=tol)
