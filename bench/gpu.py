@@ -252,9 +252,10 @@ def weight_bytes(folder: Path) -> int:
 # compiled-cdt: max-autotune-no-cudagraphs plus coordinate-descent tuning of each generated kernel (as gpt-fast);
 # compiled-aten-mm: the products left to cuBLAS (an H200 profile put 922 of a step's 1095 us in Inductor's fused
 # product reductions, bench/RESULTS.md 2026-11-26 23:00); compiled-triton-mm: only Inductor's own product templates
-CDT = {"max_autotune": True, "triton.cudagraphs": False, "coordinate_descent_tuning": True}
-ATEN_MM = {"max_autotune": True, "triton.cudagraphs": False, "max_autotune_gemm_backends": "ATEN"}
-TRITON_MM = {"max_autotune": True, "triton.cudagraphs": False, "max_autotune_gemm_backends": "TRITON"}
+AUTOTUNE = {"max_autotune": True, "triton.cudagraphs": False}  # the shipped mode, max-autotune-no-cudagraphs
+CDT = {**AUTOTUNE, "coordinate_descent_tuning": True}
+ATEN_MM = {**AUTOTUNE, "max_autotune_gemm_backends": "ATEN"}
+TRITON_MM = {**AUTOTUNE, "max_autotune_gemm_backends": "TRITON"}
 
 VARIANTS = {
     "host-inputs": lambda f, d: Shardlm(f, d, join=False, host_inputs=True),

@@ -47,9 +47,9 @@ def test_folded_decode_attention_equals_attention_per_query_head(hq, hkv, dtype)
     mask[..., 0] = True  # every row sees at least one key
     kv_map = torch.tensor([h // (hq // hkv) for h in range(hq)])
     folded = grouped_attention(q, k, v, kv_map, mask, True)  # (b, hq, 1, hd)
-    ref = torch.stack([torch.softmax((q[:, h, 0].float()[:, None] * k[:, kv_map[h]].float()).sum(-1) / hd ** 0.5
-                                     + torch.where(mask[:, 0, 0], 0.0, float("-inf")), -1)[:, :, None].mul(
-                                         v[:, kv_map[h]].float()).sum(1) for h in range(hq)], 1)  # (b, hq, hd)
+    keys, values = k.float()[:, kv_map], v.float()[:, kv_map]  # (b, hq, t, hd): query head h's own KV head
+    scores = (q.float() @ keys.transpose(-1, -2) / hd ** 0.5).masked_fill(~mask, float("-inf"))  # (b, hq, 1, t)
+    ref = (torch.softmax(scores, -1) @ values)[:, :, 0]  # (b, hq, hd)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert folded.shape == (b, hq, 1, hd) and folded.dtype == dtype
     torch.testing.assert_close(folded[:, :, 0].float(), ref, atol=tol, rtol=tol)

@@ -58,8 +58,9 @@ inline std::vector<float> rows_by_blocks(const float* x, int64_t b, int64_t k) {
 // y[j, r] for weight rows [r0, r0 + R) and x rows of blocks [jb0, jb0 + JB): one FMA chain per output over k.
 // Sweep `sweep` of the `sweeps` these weight rows make over the blocks asks the cache for its share of the next R
 // rows' columns (prefetch_next_tile: a line of each row per cache line of columns, 16 float32 or 32 bfloat16 ones),
-// spread over the sweep, so that memory streams through every sweep, the ones from L1 too (30 layers from memory: 16 rows 19.1-20.5 -> 14.3-14.5 ms, 64 rows 44.0-44.6 -> 38.9-39.8;
-// bench/few_rows.py, builds alternating). It changes no arithmetic.
+// spread over the sweep, so that memory streams through every sweep, the ones from L1 too (30 layers from memory:
+// 16 rows 19.1-20.5 -> 14.3-14.5 ms, 64 rows 44.0-44.6 -> 38.9-39.8; bench/few_rows.py, builds alternating). It
+// changes no arithmetic.
 template <typename W, int R, int JB>
 inline void few_rows_tile(const float* xt, int64_t k, const W* w, int64_t r0, int64_t jb0, float* y, int64_t n,
                           int64_t b, int sweep, int sweeps) {
