@@ -352,6 +352,9 @@ class Int8Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (b, s) -> (b, s, dim) in `dtype`."""
         kw = self.kernel_weight
+        if self.ctx is None and self.start == 0:  # the whole vocabulary here: the same rows, fewer ops a step
+            codes = kw.q[ids][..., :kw.in_features]  # (b, s, dim) int8
+            return (codes.float() * kw.scale[ids].float().unsqueeze(-1)).to(self.dtype)  # (b, s, dim)
         mine = (ids >= self.start) & (ids < self.stop)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
         codes = kw.q[local][..., :kw.in_features]  # (b, s, dim) int8

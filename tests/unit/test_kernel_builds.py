@@ -2,7 +2,8 @@
 build names its instructions, and the int4 row tiles give the native build's numbers bit for bit (one
 arithmetic on every build, q4tiles.h), for decode and prefill row counts, split and whole; prefill panels equal
 wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512) and prefill
-attention (8- or 16-lane tiles), and the fused decode blocks, equal wherever the CPU has FMA."""
+attention (8- or 16-lane tiles), and the fused decode blocks, equal wherever the CPU has FMA; greedy argmax equal
+to torch's on every build."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
                                native.prefill_int4(many, *whole.kernel_args(), exact, wide)), (exact, wide)
     else:  # no FMA instruction: each product is rounded before its add, so the chains differ in the last bits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    logits = torch.randn(6, 1003, generator=g).round()  # greedy sampling: torch's argmax (first tie, first NaN)
+    logits[2, 500:] = float("nan")
+    for rows in (1, 6):
+        assert torch.equal(ext.argmax_rows(logits[:rows]), logits[:rows].argmax(dim=-1)), rows
     for dtype in (torch.float32, torch.bfloat16):  # float rows: eight-lane accumulators on every build
         wf, xs = torch.randn(37, 203, generator=g).to(dtype), torch.randn(17, 203, generator=g)
         for b in (1, 2, 5, 8, 13, 17):

@@ -397,3 +397,28 @@ def test_decode_attention_of_a_head_does_not_depend_on_its_group(hq, hd, dtype, 
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         err = (together[j].double() - want).abs().max()
         assert torch.allclose(together[j].double(), want, atol=tol, rtol=tol), f"row {j}: off by {err}"
+
+
+def test_argmax_rows_is_torch_argmax(ext):
+    """Greedy sampling's kernel (csrc/argmax.h) against torch.argmax(dim=-1): ties (the first index), NaNs (the first
+    NaN), infinities, all -inf rows, widths with tails past the eight-lane loop, one row split over the threads; a
+    kernel that took the last tie, skipped NaNs or lost a half's tail fails it."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(400):
+        rows = 1 if trial % 2 else int(torch.randint(2, 18, (1,), generator=g))
+        width = int(torch.randint(1, 300, (1,), generator=g)) if trial % 5 else 49152 + trial % 7
+        x = torch.randn(rows, width, generator=g)
+        if trial % 3 == 0:
+            x = x.round()  # many ties
+        if trial % 7 == 0:
+            x[torch.rand(rows, width, generator=g) < 0.01] = float("nan")
+        if trial % 11 == 0:
+            x[:] = float("-inf")
+        if trial % 13 == 0:
+            x[torch.rand(rows, width, generator=g) < 0.3] = float("inf")
+        assert torch.equal(ext.argmax_rows(x), x.argmax(dim=-1)), (trial, rows, width)
+    last = torch.zeros(1, 49152)
+    last[0, -1] = 1.0  # the largest value in the second thread's half, at the very end
+    assert ext.argmax_rows(last).tolist() == [49151]
+    with pytest.raises(RuntimeError, match="float32 logits"):
+        ext.argmax_rows(torch.zeros(3, dtype=torch.float64))

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <cstdint>
 
+#include "argmax.h"
 #include "decode.h"
 #include "fewrows.h"
 #include "prefill_attn.h"
@@ -180,8 +181,19 @@ torch::Tensor prefill_float(torch::Tensor x_in, torch::Tensor w, int64_t few_row
                                           : prefill_float_t<uint16_t>(x_in, w, few_rows);
 }
 
+// Each row's argmax of logits (b, n) float32, as torch.argmax(dim=-1) gives it -> (b,) int64 (argmax.h).
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.size(1) > 0,
+              "argmax_rows: float32 logits (rows, vocab) expected; got ", logits.sizes(), " ", logits.scalar_type());
+  const auto x = logits.contiguous();
+  auto out = torch::empty({x.size(0)}, torch::kLong);
+  shardlm::argmax_rows(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<int64_t>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "decode matrix-vector product");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(dim=-1)", py::arg("logits"));
   m.def("gemv_int8", &gemv_int8, "matrix product with int8 weights and per-row scales (wide: float64 out)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
   m.def("gemm_int4", &gemm_int4, "matrix product with int4 weights in groups of 32 (wide: float64 out)",

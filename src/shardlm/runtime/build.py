@@ -28,7 +28,7 @@ from shardlm.checkpoint.headers import CheckpointError
 from shardlm.checkpoint.quantized import read_quantized
 from shardlm.checkpoint.reads import param_reads
 from shardlm.checkpoint.source import open_source
-from shardlm.kernels import choose_mode, install_linears
+from shardlm.kernels import choose_mode, extension, install_linears
 from shardlm.kernels.fused import install_fused
 from shardlm.kernels.prefill import install_prefill
 from shardlm.kernels.linear import fast_linear
@@ -81,7 +81,7 @@ def build_rank_model(spec: RankSpec, source: ModelSource, ctx: ParallelContext, 
     graphs = GraphDecoders(model, kernels.compiled) if kernels.cuda_graphs else None
     rank = RankModel(model, spec, source.args, device, dtype, coord.local_kv_heads(), kernels, streamer,
                      tuple(sorted(target.streamed)), mapped, graphs,
-                     LoadStats(time.perf_counter() - t0, rss))
+                     LoadStats(time.perf_counter() - t0, rss), compiled_ops(kernels, settings))
     log.info("built layers %d-%d in %.2f s: %.1f MiB resident, %d streamed, kernels %s", spec.layers[0],
              spec.layers[1] - 1, rank.stats.load_s, rank.resident_bytes() / 2**20, len(rank.streamed),
              kernels.describe())
@@ -96,8 +96,9 @@ def wrap_module(module: nn.Module, settings: Settings | None = None) -> RankMode
     spec = RankSpec.single(args.n_layers, str(dtype).removeprefix("torch."))
     device = next(module.parameters()).device
     module.eval().requires_grad_(False)
-    kernels = choose_kernels(module, spec, device, dtype, settings or Settings(), False, frozenset())
-    return RankModel(module, spec, args, device, dtype, args.n_kv_heads, kernels)
+    settings = settings or Settings()
+    kernels = choose_kernels(module, spec, device, dtype, settings, False, frozenset())
+    return RankModel(module, spec, args, device, dtype, args.n_kv_heads, kernels, ops=compiled_ops(kernels, settings))
 
 
 def rank_quantization(spec: RankSpec, source: ModelSource, device: torch.device) -> str | None:
@@ -336,6 +337,11 @@ def start_streamer(model: nn.Module, target: OffloadTarget, extents: dict, vocab
     head = fast_linear(model, "lm_head") if model.lm_head is not None else None
     return LayerStreamer(target.store, extents, order, spec.offload.prefetch, offload_io, settings.offload_uncached,
                          vocab, model.model.embed_tokens, head)
+
+
+def compiled_ops(kernels: KernelChoice, settings: Settings):
+    """The compiled CPU kernels a rank chose (its linear mode "gemv"), or None."""
+    return extension(settings.kernel_dir) if kernels.linear == "gemv" else None
 
 
 def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype: torch.dtype, settings: Settings,

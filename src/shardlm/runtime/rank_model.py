@@ -91,6 +91,8 @@ class RankModel:
     graphs: object | None = None
     """CUDA-graph decoders (runtime/cuda_graph.GraphDecoders) when `kernels.cuda_graphs`."""
     stats: LoadStats = field(default_factory=LoadStats)
+    ops: object | None = None
+    """The compiled CPU kernels (kernels/build.py) where this rank runs them (kernels.linear "gemv"), else None."""
 
     @property
     def layer_ids(self) -> list[int]:

@@ -135,6 +135,10 @@ class SlotRunner:
             deterministic_attention()  # the same logits run to run and row to row (runtime/slot_graphs.py)
         self.ahead = RunAhead(self) if self.graphs is not None and rank.kernels.run_ahead else None
         """Greedy decode steps launched before the step ahead of them is read (runtime/ahead.py)."""
+        ops = rank.ops if rank.device.type == "cpu" else None
+        self._argmax = ops.argmax_rows if ops is not None and hasattr(ops, "argmax_rows") else _torch_argmax
+        """Each row's argmax of float32 logits (b, vocab) -> (b,): the compiled kernels' (csrc/argmax.h: torch's
+        result, in both threads), else torch's."""
 
     @property
     def reports(self) -> bool:
@@ -238,7 +242,7 @@ class SlotRunner:
                 got.prompt_logprobs = _prompt_logprobs(logits[0], w)
             if isinstance(w, Decode) or w.sample:
                 if w.params.temperature == 0:
-                    greedy = last.argmax(dim=-1).tolist() if greedy is None else greedy
+                    greedy = self._argmax(last.float()).tolist() if greedy is None else greedy
                     got.token = greedy[j]
                 else:
                     got.token = int(pick(last[j:j + 1], w.params, [self.generators[w.slot]])[0])
@@ -247,6 +251,11 @@ class SlotRunner:
                     got.logprob = _logprob(last[j], got.token, w.logprobs)
             out[w.slot] = got
         return out
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (b, vocab) -> (b,)."""
+    return logits.argmax(dim=-1)
 
 
 def _logprob(logits: torch.Tensor, token: int, top: int) -> dict:
