@@ -135,8 +135,7 @@ class SlotRunner:
             deterministic_attention()  # the same logits run to run and row to row (runtime/slot_graphs.py)
         self.ahead = RunAhead(self) if self.graphs is not None and rank.kernels.run_ahead else None
         """Greedy decode steps launched before the step ahead of them is read (runtime/ahead.py)."""
-        ops = rank.ops if rank.device.type == "cpu" else None
-        self._argmax = ops.argmax_rows if ops is not None and hasattr(ops, "argmax_rows") else _torch_argmax
+        self._argmax = rank.ops.argmax_rows if rank.ops is not None and rank.device.type == "cpu" else _torch_argmax
         """Each row's argmax of float32 logits (b, vocab) -> (b,): the compiled kernels' (csrc/argmax.h: torch's
         result, in both threads), else torch's."""
 
