@@ -88,21 +88,29 @@ class Shardlm:
 
     def __init__(self, folder: Path, dtype: torch.dtype, quantization=None, budget=None, prefetch=True,
                  graphs: bool = True, compile: bool = False, join: bool = True, host_inputs: bool = False,
-                 ahead: bool = True, compile_mode: str | dict | None = None):
+                 ahead: bool = True, compile_mode: str | dict | None = None, gemv: bool = False,
+                 gemv_attention: bool = True, pdl: bool = True):
         from shardlm.engine.session import plan_run
         from shardlm.parallel.context import ParallelContext
         from shardlm.plan.run import RunFlags
         from shardlm.runtime.build import build_rank_model
         from shardlm.settings import Settings
 
+        from shardlm.kernels import cuda_gemv
+
+        cuda_gemv.PDL = pdl  # read when the step is captured, right after this system is built (run_decode)
         flags = RunFlags(dtype=str(dtype).removeprefix("torch."), quantization=quantization or "none", device="cuda",
                          memory_budget=budget, prefetch=prefetch)
         plan, source = plan_run(str(folder), flags)
         self.args = source.args
         # decode steps as CUDA graph replays (runtime/cuda_graph.py) unless `graphs` is off
-        settings = Settings.from_env(cuda_graphs=graphs, cuda_compile=compile, cuda_join=join)
+        settings = Settings.from_env(cuda_graphs=graphs, cuda_compile=compile, cuda_join=join, cuda_gemv=gemv)
         self.model = build_rank_model(plan.rank_spec(0), source, ParallelContext(), settings, "cuda:0")
         self.kernels = self.model.kernels.describe()
+        if gemv and not gemv_attention:  # a bench-only experiment: the GEMV blocks with the module path's attention
+            for layer in self.model.module.model.layers.values():
+                layer.gemv_attention = False
+            self.kernels += " (SDPA attention)"
         graphs = self.model.graphs
         if compile_mode and graphs is not None:  # a bench-only experiment: another Inductor mode
             from shardlm.runtime.cuda_graph import decode_step
@@ -266,6 +274,10 @@ VARIANTS = {
     "compiled-cdt": lambda f, d: Shardlm(f, d, compile=True, compile_mode=CDT),
     "compiled-aten-mm": lambda f, d: Shardlm(f, d, compile=True, compile_mode=ATEN_MM),
     "compiled-triton-mm": lambda f, d: Shardlm(f, d, compile=True, compile_mode=TRITON_MM),
+    "gemv": lambda f, d: Shardlm(f, d, gemv=True),
+    "compiled-gemv": lambda f, d: Shardlm(f, d, compile=True, gemv=True),
+    "compiled-gemv-sdpa": lambda f, d: Shardlm(f, d, compile=True, gemv=True, gemv_attention=False),
+    "compiled-gemv-nopdl": lambda f, d: Shardlm(f, d, compile=True, gemv=True, pdl=False),
     "engine": lambda f, d: EngineSystem(f, d),
     "engine-eager": lambda f, d: EngineSystem(f, d, graphs=False),
     "engine-no-ahead": lambda f, d: EngineSystem(f, d, ahead=False),
@@ -279,7 +291,10 @@ replay advancing its own inputs but the host still reading each token before the
 and gate/up as separate products; compiled, the step compiled before capture (SHARDLM_CUDA_COMPILE=1: Inductor's
 max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode; compiled-cdt,
 the shipped mode plus coordinate-descent tuning (CDT); compiled-aten-mm and compiled-triton-mm, the products on
-cuBLAS or on Inductor's templates only; engine and engine-eager, the engine's path (`shardlm generate`
+cuBLAS or on Inductor's templates only; gemv and compiled-gemv, batch-1 decode blocks as shardlm's Triton GEMV
+kernels with the norms, gating and residual adds inside and attention as one kernel (SHARDLM_CUDA_GEMV=1),
+uncompiled and compiled; compiled-gemv-sdpa, the same with the module path's attention; compiled-gemv-nopdl,
+each kernel launched after the one before it ends (no programmatic dependent launch); engine and engine-eager, the engine's path (`shardlm generate`
 and `serve`: a rank process) with and without its CUDA graphs; engine-no-ahead, reading each step's tokens before
 launching the next (SHARDLM_CUDA_AHEAD=0); engine-b8, engine-eager-b8 and engine-no-ahead-b8, the same with 8 copies
 of the prompt in one batch (tok/s counts every row)."""
@@ -431,6 +446,8 @@ def main() -> None:
                     help=f"also time these variants of the float graph path, comma-separated: {', '.join(VARIANTS)}")
     ap.add_argument("--no-baseline", action="store_true", help="time only transformers and --variants")
     ap.add_argument("--no-quantized", action="store_true", help="skip int8 and int4 decode")
+    ap.add_argument("--gemv-configs", type=Path,
+                    help="launch shapes for the GEMV kernels, as bench/gpu_gemv.py --configs writes them")
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds, profile each shardlm graph system's step kernel by kernel (torch.profiler)")
     opts = ap.parse_args()
@@ -439,6 +456,11 @@ def main() -> None:
 
         write_report([json.loads(Path(f).read_text()) for f in opts.report], opts.report)
         return
+    if opts.gemv_configs:
+        from shardlm.kernels import cuda_gemv
+
+        for key, shape in json.loads(opts.gemv_configs.read_text()).items():
+            cuda_gemv.CONFIGS[tuple(int(v) for v in key.split(","))] = tuple(shape)
     if not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU and a CUDA build of torch; torch.cuda.is_available() is False")
 

@@ -13,6 +13,8 @@ its launch message; nothing below reads an environment variable itself. Variable
   new shape); default off. The engine's captured steps (runtime/slot_graphs.py) are not compiled.
 - ``SHARDLM_CUDA_JOIN``: ``0`` keeps q/k/v and gate/up as separate products on GPU ranks (default: one
   product each, runtime/projections.py).
+- ``SHARDLM_CUDA_GEMV``: ``1`` runs a one-GPU rank's batch-1 decode blocks as Triton GEMV kernels with the norms,
+  gating and residual adds inside (runtime/gpu_blocks.py); default off.
 - ``SHARDLM_BATCH_INVARIANT``: ``0`` lets a one-GPU serving rank with CUDA-graph decode prefill several prompts'
   chunks in one forward pass, and the engine fill each step's prefill budget by cutting chunks short (sooner
   first tokens when many prompts arrive at once); by default each chunk is its prompt's own and runs in its own
@@ -91,6 +93,9 @@ class Settings:
     """Compile the CUDA-graph decode step with torch.compile before capturing it."""
     cuda_join: bool = True
     """On GPU ranks, one product for q/k/v and one for gate/up (runtime/projections.py)."""
+    cuda_gemv: bool = False
+    """On one-GPU ranks with CUDA-graph decode, batch-1 decode blocks as Triton GEMV kernels with the norms, gating
+    and residual adds inside (runtime/gpu_blocks.py)."""
     cuda_ahead: bool = True
     """On a serving rank with CUDA-graph decode, launch greedy decode steps before the one ahead of them is read
     back (runtime/ahead.py)."""
@@ -118,6 +123,7 @@ class Settings:
                       cuda_graphs=_flag(env, "SHARDLM_CUDA_GRAPHS", True),
                       cuda_compile=_flag(env, "SHARDLM_CUDA_COMPILE", False),
                       cuda_join=_flag(env, "SHARDLM_CUDA_JOIN", True),
+                      cuda_gemv=_flag(env, "SHARDLM_CUDA_GEMV", False),
                       cuda_ahead=_flag(env, "SHARDLM_CUDA_AHEAD", True),
                       batch_invariant=_flag(env, "SHARDLM_BATCH_INVARIANT", True),
                       offload_uncached=_flag(env, "SHARDLM_OFFLOAD_UNCACHED", False),

@@ -110,12 +110,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 cache: Cache | None) -> torch.Tensor:
         """x (b, s, dim) -> (b, s, dim); mask (b, 1, s, t) is True where a key may be attended."""
-        b, s, _ = x.shape
-        hd = self.head_dim
         if self.qkv_weight is not None:
             q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_split, dim=-1)  # (b, s, h*hd) each
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(self.attend(q, k, v, cos, sin, mask, cache))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        """Attention from the projected q (b, s, hq*hd), k and v (b, s, hkv*hd): rotary, the cache, then the
+        heads' outputs side by side (b, s, hq*hd), before o_proj."""
+        b, s, _ = q.shape
+        hd = self.head_dim
         q = q.view(b, s, -1, hd).transpose(1, 2)  # (b, hq, s, hd)
         k = k.view(b, s, -1, hd).transpose(1, 2)  # (b, hkv, s, hd)
         v = v.view(b, s, -1, hd).transpose(1, 2)  # (b, hkv, s, hd)
@@ -127,8 +133,7 @@ class Attention(nn.Module):
                                          mask.expand(b, 1, s, k.shape[2]).contiguous())  # (b, hq, s, hd)
         else:
             out = grouped_attention(q, k, v, self.kv_map, mask, self.regular_gqa)  # (b, hq, s, hd)
-        out = out.transpose(1, 2).reshape(b, s, -1)  # (b, s, hq*hd)
-        return self.o_proj(out)
+        return out.transpose(1, 2).reshape(b, s, -1)  # (b, s, hq*hd)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_map: torch.Tensor,

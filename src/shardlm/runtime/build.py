@@ -41,6 +41,7 @@ from shardlm.plan.plan import RankSpec
 from shardlm.quant import quantize_embedding, quantize_linear
 from shardlm.quant_spec import QuantizationError, check_kind, is_quantizable
 from shardlm.runtime.cuda_graph import GraphDecoders
+from shardlm.runtime.gpu_blocks import install_gemv_blocks
 from shardlm.runtime.projections import join_projections
 from shardlm.runtime.offload import LayerStreamer, OffloadError, OffloadStore, trim_heap
 from shardlm.runtime.rank_model import KernelChoice, LoadStats, RankModel
@@ -354,8 +355,9 @@ def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype
         joined = join_projections(model) if settings.cuda_join and not streaming else 0
         if joined:
             torch.cuda.empty_cache()  # the separate weights the joined tensors replaced
+        gemv = install_gemv_blocks(model) if graphs and joined and settings.cuda_gemv else 0
         return KernelChoice("cuda", 0, graphs, graphs and settings.cuda_compile, joined, graphs and settings.cuda_ahead,
-                            not (graphs and settings.batch_invariant))
+                            not (graphs and settings.batch_invariant), gemv_layers=gemv)
     mode, ext = choose_mode(settings.kernels, settings.kernel_dir)
     install_linears(model, mode, ext, keep=mapped)
     if not (settings.fused and mode == "gemv"):

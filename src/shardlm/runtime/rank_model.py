@@ -35,6 +35,8 @@ class KernelChoice:
     runtime/serve_step.py)."""
     prefill_layers: int = 0
     """Decoder layers whose float32 prefill runs its element-wise work compiled (CPU, gemv; kernels/prefill.py)."""
+    gemv_layers: int = 0
+    """Decoder layers whose batch-1 decode runs as Triton GEMV kernels (one GPU, runtime/gpu_blocks.py)."""
 
     def describe(self) -> str:
         """e.g. "gemv, fused decode in 30 layers"."""
@@ -45,6 +47,8 @@ class KernelChoice:
             parts.append(f"fused prefill in {self.prefill_layers} layers")
         if self.joined_layers:
             parts.append(f"q/k/v and gate/up joined in {self.joined_layers} layers")
+        if self.gemv_layers:
+            parts.append(f"GEMV decode blocks in {self.gemv_layers} layers")
         if self.cuda_graphs:
             parts.append("compiled CUDA-graph decode" if self.compiled else "CUDA-graph decode")
         if self.run_ahead:
