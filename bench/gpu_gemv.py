@@ -97,9 +97,13 @@ def run_shape(name: str, spec, dtype: torch.dtype, compile_inductor: bool) -> di
     ref = cuda_gemv.reference(x, ws[0], nw, r, eps, silu)
     rows = []
 
-    def add(system, fn, out):
+    def add(system, fn, out, replayed=None):
+        if replayed is not None:
+            replayed.fill_(float("nan"))
         us = graph_us(fn, copies)
         rel, ulps = error_ulps(out, ref)
+        if replayed is not None:  # what the graph's chained (PDL) launches left for the first copy: also ref
+            rel, ulps = max(rel, error_ulps(replayed, ref)[0]), max(ulps, error_ulps(replayed, ref)[1])
         rows.append({"system": system, "us": us, "GB_s": nbytes / us / 1e3, "rel_err": rel, "max_ulps": ulps})
 
     add("cublas (torch ops)", lambda i: torch_fused(x, ws[i], nw, r, eps, silu), torch_fused(x, ws[0], nw, r, eps, silu))
@@ -107,14 +111,15 @@ def run_shape(name: str, spec, dtype: torch.dtype, compile_inductor: bool) -> di
         t0 = time.perf_counter()
         fused = torch.compile(torch_fused, dynamic=False, mode="max-autotune-no-cudagraphs")
         out = fused(x, ws[0], nw, r, eps, silu)
-        rows.append({"system": "inductor compile s", "us": time.perf_counter() - t0})
+        compile_s = time.perf_counter() - t0
         add("inductor (max-autotune-no-cudagraphs)", lambda i: fused(x, ws[i], nw, r, eps, silu), out)
+        rows[-1]["compile_s"] = compile_s
     outs = [torch.empty(n, device="cuda", dtype=dtype) for _ in range(copies)]
     for shape in GRID:
         poisoned = torch.full((n,), float("nan"), device="cuda", dtype=dtype)
         out = cuda_gemv.launch(x, ws[0], nw, r, eps, silu, out=poisoned, shape=shape, pdl=False)
         add(f"gemv {shape[0]}x{shape[1]} w{shape[2]}", lambda i, shape=shape: cuda_gemv.launch(
-            x, ws[i], nw, r, eps, silu, out=outs[i], shape=shape, pdl=False), out)
+            x, ws[i], nw, r, eps, silu, out=outs[i], shape=shape, pdl=False), out, outs[0])
     ranked = sorted((row for row in rows if row["system"].startswith("gemv")), key=lambda row: row["us"])
     for row in ranked[:3]:  # the fastest launch shapes again, each launch overlapping the one before (PDL)
         bn, bk, w = row["system"].split()[1].split("x") + [row["system"].split()[2][1:]]
@@ -122,7 +127,7 @@ def run_shape(name: str, spec, dtype: torch.dtype, compile_inductor: bool) -> di
         poisoned = torch.full((n,), float("nan"), device="cuda", dtype=dtype)
         out = cuda_gemv.launch(x, ws[0], nw, r, eps, silu, out=poisoned, shape=shape, pdl=True)
         add(row["system"] + " pdl", lambda i, shape=shape: cuda_gemv.launch(
-            x, ws[i], nw, r, eps, silu, out=outs[i], shape=shape, pdl=True), out)
+            x, ws[i], nw, r, eps, silu, out=outs[i], shape=shape, pdl=True), out, outs[0])
     default = cuda_gemv.config(n, k)
     return {"shape": name, "n": n, "k": k, "bytes": nbytes, "copies": copies, "default": default, "rows": rows}
 

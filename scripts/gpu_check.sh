@@ -4,7 +4,8 @@
 # Logs and the benchmark's JSON go to $OUT (default ./gpu-out). Uses the source tree as is (no install).
 # The default limits (tests 330 s, bench 130 s, row probe 60 s, attention 2 x 25 s) fit one 600 s device call (on
 # an H100 the tests took about 300 s and the bench 123 s on 2026-11-26, the row probe 29 s on 2026-11-27; an H200
-# had not finished the tests at 320 s); BENCH_ARGS=" " (the whole benchmark) wants BENCH_TIMEOUT=480 and a call of
+# had not finished the tests at 320 s; tests/gpu/test_gemv.py, added since, takes about 35 s more plus its compiled
+# token test); BENCH_ARGS=" " (the whole benchmark) wants BENCH_TIMEOUT=480 and a call of
 # its own. INVARIANCE_TIMEOUT=135 adds bench/gpu_invariance.py (about 2 minutes).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -40,6 +41,14 @@ for mode in --deterministic ""; do
     timeout "${ATTN_TIMEOUT:-25}" $PY bench/decode_attention.py --device cuda $mode 2>&1 | tee -a "$OUT/attention.log"
     echo "attention ${mode:-(kernels PyTorch picks)} exit ${PIPESTATUS[0]}"
 done
+# the Triton decode blocks (SHARDLM_CUDA_GEMV=1, runtime/gpu_blocks.py): GEMV_TIMEOUT=240 times them against the
+# compiled step, with the split attention and the argmax kernel (about 3 minutes on an H200)
+if [ "${GEMV_TIMEOUT:-0}" -gt 0 ]; then
+    timeout "$GEMV_TIMEOUT" $PY bench/gpu.py --only decode --models llama-3.2-1b --no-quantized --rounds 2 \
+        --variants compiled,compiled-gemv,compiled-gemv-split,compiled-gemv-split-argmax,gemv-split-argmax \
+        --no-baseline --profile --out "$OUT/gemv.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/gemv.log"
+    echo "gemv exit ${PIPESTATUS[0]}"
+fi
 # which products and engine settings make a row's bfloat16 tokens depend on the rows beside it (about 2 minutes)
 if [ "${INVARIANCE_TIMEOUT:-0}" -gt 0 ]; then
     timeout "$INVARIANCE_TIMEOUT" $PY bench/gpu_invariance.py --out "$OUT/invariance.json" 2>&1 \

@@ -39,62 +39,17 @@ def config(n: int, k: int) -> tuple[int, int, int]:
     if (n, k) in CONFIGS:
         return CONFIGS[(n, k)]
     block_n = 2 if n * k <= 2048 * 2048 else 8
-    return block_n, min(1024, triton_next_power_of_2(k)), 8 if k >= 8192 else 4
+    return block_n, min(1024, next_power_of_2(k)), 8 if k >= 8192 else 4
 
 
-def triton_next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n."""
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.cache
 def _kernel():
-    """The Triton kernel, defined on first use (triton is imported only where a GPU rank runs it)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, N, K, stride_w, eps,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                    RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-        dtype = y_ptr.dtype.element_ty
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        cols = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
-        tiles = w_ptr + rows[:, None] * stride_w + cols[None, :]  # (BLOCK_N, BLOCK_K) pointers of the first tile
-        w = tl.load(tiles, mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0)
-        if PDL:  # the weights are never written by a kernel before this one; what it wrote is read after the wait
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        scale = 1.0
-        if NORM:
-            squares = tl.zeros((BLOCK_K,), tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K):
-                xv = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-                squares += xv * xv
-            scale = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + eps)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # (rows, columns) partial products, summed at the end
-        for k0 in tl.range(0, K, BLOCK_K):
-            c = k0 + cols
-            ok = c < K
-            if SILU:
-                gate = tl.load(x_ptr + c, mask=ok, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + K + c, mask=ok, other=0.0).to(tl.float32)
-                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu, rounded to the dtype
-                xv = (act * up).to(dtype).to(tl.float32)
-            else:
-                xv = tl.load(x_ptr + c, mask=ok, other=0.0).to(tl.float32)
-                if NORM:
-                    nw = tl.load(nw_ptr + c, mask=ok, other=0.0).to(tl.float32)
-                    xv = ((xv * scale).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
-            following = w  # this tile; the next is loaded before its products are summed
-            nxt = c + BLOCK_K
-            w = tl.load(tiles + k0 + BLOCK_K, mask=(rows[:, None] < N) & (nxt[None, :] < K), other=0.0)
-            acc += following.to(tl.float32) * xv[None, :]
-        y = tl.sum(acc, 1)  # (BLOCK_N,)
-        if RESIDUAL:
-            r = tl.load(res_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-            y = y.to(dtype).to(tl.float32) + r
-        tl.store(y_ptr + rows, y.to(dtype), mask=rows < N)
+    """The Triton kernel (kernels/triton_decode.py, imported on first use: only a GPU rank needs triton)."""
+    from shardlm.kernels.triton_decode import gemv_kernel
 
     return gemv_kernel
 
@@ -106,11 +61,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
     `pdl` (default: PDL on a Hopper or later GPU) the kernel launches while the one before it finishes, loads its
     first weight tile, then waits for that kernel's writes (programmatic dependent launch)."""
     n, k = weight.shape
-    want = 2 * k if silu else k
-    if x.dim() != 1 or x.shape[0] != want:
-        raise ValueError(f"gemv: input of shape {tuple(x.shape)} for a {n} x {k} weight; pass one row of {want}")
-    if weight.stride(1) != 1:
-        raise ValueError("gemv: the weight's rows must be contiguous; pass weight.contiguous()")
+    check_inputs(x, weight, norm_weight, residual, silu, out)
     block_n, block_k, warps = shape or config(n, k)
     y = torch.empty(n, dtype=x.dtype, device=x.device) if out is None else out
     grid = (-(-n // block_n),)
@@ -122,10 +73,36 @@ def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
     return y
 
 
+def check_inputs(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
+                 residual: torch.Tensor | None, silu: bool, out: torch.Tensor | None) -> None:
+    """ValueError naming the input the kernel would misread: it takes contiguous vectors of the weight's sizes."""
+    n, k = weight.shape
+    want = 2 * k if silu else k
+    if x.dim() != 1 or x.shape[0] != want or x.stride(0) != 1:
+        raise ValueError(f"gemv: input of shape {tuple(x.shape)} (strides {x.stride()}) for a {n} x {k} weight; pass "
+                         f"one contiguous row of {want}")
+    if weight.stride(1) != 1:
+        raise ValueError("gemv: the weight's rows must be contiguous; pass weight.contiguous()")
+    if silu and norm_weight is not None:
+        raise ValueError("gemv: the gating and the norm do not combine (a decode block never needs both); pass one")
+    for name, t, size in (("norm_weight", norm_weight, k), ("residual", residual, n), ("out", out, n)):
+        if t is not None and (t.shape != (size,) or t.stride(0) != 1 or t.device != x.device
+                              or (name != "norm_weight" and t.dtype != x.dtype)):
+            raise ValueError(f"gemv: {name} of shape {tuple(t.shape)}, {t.dtype} on {t.device}; pass a contiguous "
+                             f"({size},) tensor on {x.device}" + ("" if name == "norm_weight" else f" in {x.dtype}"))
+
+
 @functools.cache
 def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` may launch before the one ahead of them ends (Hopper and later)."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether kernels on `device` may launch before the one ahead of them ends: an NVIDIA GPU of compute capability
+    9.0 or later (Hopper) and a Triton with grid dependency control."""
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @torch.library.custom_op("shardlm::gemv", mutates_args=())
@@ -137,6 +114,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None
 
 @gemv.register_fake
 def _gemv_fake(x, weight, norm_weight, residual, eps, silu):
+    """The output's shape and dtype, for tracing."""
     return x.new_empty(weight.shape[0])
 
 

@@ -67,7 +67,9 @@ def decode_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
     if advance:
         positions.add_(1)
         slot.add_(1)
-        tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))  # (b, 1): the greedy token, fed by the next replay
+        pick = getattr(model, "greedy_pick", None)  # a model's own argmax kernel (kernels/cuda_argmax.py), if set
+        chosen = pick(logits) if pick is not None else logits[:, -1].argmax(-1, keepdim=True)
+        tokens.copy_(chosen)  # (b, 1): the greedy token, fed by the next replay
     return logits
 
 

@@ -13,7 +13,9 @@ the residual adds in the products before them, and attention is one kernel:
     y   = gemv(gu, W_down, silu=True, residual=h)          (dim,)
 
 Installed as `DecoderLayer.decode_step` where it applies (plain joined bias-free weights, tp 1 and pp 1); other
-calls (prefill, more than one row) return None and run the module path.
+calls (prefill, more than one row, the serving engine's slot caches) return None and run the module path. Serving
+stays on the module path because its rows are the first slots, a power of two covering the decoding ones: a request
+alone in slot 0 would run these kernels, and beside others cuBLAS, so its tokens would depend on its neighbours.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def gemv_block(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
                cache) -> torch.Tensor | None:
     """One decode row through the block (x (1, 1, dim) -> (1, 1, dim)); None for any other shape."""
     b, s, dim = x.shape
-    if b != 1 or s != 1 or not x.is_contiguous():
-        return None
+    if b != 1 or s != 1 or not x.is_contiguous() or not isinstance(cache, KVCache):
+        return None  # serving's slot caches keep the module path: a row's products must not depend on its slot
     gemv = torch.ops.shardlm.gemv
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
