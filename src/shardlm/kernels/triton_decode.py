@@ -29,6 +29,27 @@ def _rope(ptr, offs, partner_offs, sign, cos, sin, ok, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rotated_group(qkv_ptr, cos_ptr, sin_ptr, g, HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
+                   HDP: tl.constexpr, REP: tl.constexpr, REPP: tl.constexpr, dtype: tl.constexpr):
+    """From the joined q/k/v row: KV head g's rotated new key and its new value (HDP,), and its query heads, rotated
+    (REPP, HDP; rows past REP and columns past HD are 0)."""
+    d = tl.arange(0, HDP)
+    dok = d < HD
+    partner = tl.where(d < HD // 2, d + HD // 2, d - HD // 2)  # rotate_half: (-x[half:], x[:half])
+    sign = tl.where(d < HD // 2, -1.0, 1.0)
+    cos = tl.load(cos_ptr + d, mask=dok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + d, mask=dok, other=0.0).to(tl.float32)
+    kbase = HQ * HD + g * HD
+    k_new = _rope(qkv_ptr, kbase + d, kbase + partner, sign, cos, sin, dok, dtype)
+    v_new = tl.load(qkv_ptr + (HQ + HKV) * HD + g * HD + d, mask=dok, other=0.0)
+    r = tl.arange(0, REPP)
+    qrows = (g * REP + r)[:, None] * HD  # (REPP, 1)
+    q = _rope(qkv_ptr, qrows + d[None, :], qrows + partner[None, :], sign[None, :], cos[None, :], sin[None, :],
+              (r < REP)[:, None] & dok[None, :], dtype)
+    return k_new, v_new, q
+
+
+@triton.jit
 def _softmax_step(q, kt, vt, keep, top, total, acc, scale, dtype: tl.constexpr, IEEE: tl.constexpr):
     """One block of keys into an online softmax: scores q (R, D) x kt (B, D) under `keep` (B,); returns the running
     maximum (R,), sum of exponentials (R,) and unnormalized output (R, D), all float32."""
@@ -103,22 +124,14 @@ def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, mask_ptr
     _dependent_start(PDL)
     d = tl.arange(0, HDP)
     dok = d < HD
-    partner = tl.where(d < HD // 2, d + HD // 2, d - HD // 2)  # rotate_half: (-x[half:], x[:half])
-    sign = tl.where(d < HD // 2, -1.0, 1.0)
-    cos = tl.load(cos_ptr + d, mask=dok, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + d, mask=dok, other=0.0).to(tl.float32)
+    k_new, v_new, q = _rotated_group(qkv_ptr, cos_ptr, sin_ptr, g, HQ, HKV, HD, HDP, REP, REPP, dtype)
     slot = tl.load(slot_ptr)
-    kbase = HQ * HD + g * HD
-    k_new = _rope(qkv_ptr, kbase + d, kbase + partner, sign, cos, sin, dok, dtype)
-    v_new = tl.load(qkv_ptr + (HQ + HKV) * HD + g * HD + d, mask=dok, other=0.0)
     tl.store(k_ptr + g * stride_h + slot * HD + d, k_new, mask=dok)
     tl.store(v_ptr + g * stride_h + slot * HD + d, v_new, mask=dok)
     tl.debug_barrier()  # the new key and value are read back below by other threads of this program
     r = tl.arange(0, REPP)
-    qrows = (g * REP + r)[:, None] * HD  # (REPP, 1)
+    qrows = (g * REP + r)[:, None] * HD  # (REPP, 1): this program's query heads
     both = (r < REP)[:, None] & dok[None, :]
-    q = _rope(qkv_ptr, qrows + d[None, :], qrows + partner[None, :], sign[None, :], cos[None, :], sin[None, :],
-              both, dtype)  # (REPP, HDP)
     top = tl.full((REPP,), float("-inf"), tl.float32)
     total = tl.zeros((REPP,), tl.float32)
     acc = tl.zeros((REPP, HDP), tl.float32)
@@ -147,22 +160,14 @@ def partial_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, mask_ptr, 
     _dependent_start(PDL)
     d = tl.arange(0, HDP)
     dok = d < HD
-    partner = tl.where(d < HD // 2, d + HD // 2, d - HD // 2)
-    sign = tl.where(d < HD // 2, -1.0, 1.0)
-    cos = tl.load(cos_ptr + d, mask=dok, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + d, mask=dok, other=0.0).to(tl.float32)
+    k_new, v_new, q = _rotated_group(qkv_ptr, cos_ptr, sin_ptr, g, HQ, HKV, HD, HDP, REP, REPP, dtype)
     slot = tl.load(slot_ptr)
-    kbase = HQ * HD + g * HD
-    k_new = _rope(qkv_ptr, kbase + d, kbase + partner, sign, cos, sin, dok, dtype)
-    v_new = tl.load(qkv_ptr + (HQ + HKV) * HD + g * HD + d, mask=dok, other=0.0)
     if split == 0:
         tl.store(k_ptr + g * stride_h + slot * HD + d, k_new, mask=dok)
         tl.store(v_ptr + g * stride_h + slot * HD + d, v_new, mask=dok)
     r = tl.arange(0, REPP)
-    qrows = (g * REP + r)[:, None] * HD  # (REPP, 1)
+    qrows = (g * REP + r)[:, None] * HD  # (REPP, 1): this program's query heads
     both = (r < REP)[:, None] & dok[None, :]
-    q = _rope(qkv_ptr, qrows + d[None, :], qrows + partner[None, :], sign[None, :], cos[None, :], sin[None, :],
-              both, dtype)  # (REPP, HDP)
     top = tl.full((REPP,), float("-inf"), tl.float32)
     total = tl.zeros((REPP,), tl.float32)
     acc = tl.zeros((REPP, HDP), tl.float32)
