@@ -114,6 +114,30 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, N, K, stride_w, eps,
 
 
 @triton.jit
+def _attend_keys(q, k_ptr, v_ptr, mask_ptr, g, slot, k_new, v_new, start, stop, L, stride_h, scale,
+                 HD: tl.constexpr, HDP: tl.constexpr, REPP: tl.constexpr, BLOCK: tl.constexpr, dtype: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """KV head g's query heads q (REPP, HDP) over cache slots [start, stop) under the mask, the step's slot taken
+    from k_new, v_new (what this step writes there, so no program reads another's store): the online softmax's
+    running maximum (REPP,), sum of exponentials (REPP,) and unnormalized output (REPP, HDP)."""
+    d = tl.arange(0, HDP)
+    dok = d < HD
+    top = tl.full((REPP,), float("-inf"), tl.float32)
+    total = tl.zeros((REPP,), tl.float32)
+    acc = tl.zeros((REPP, HDP), tl.float32)
+    for l0 in tl.range(start, stop, BLOCK):
+        li = l0 + tl.arange(0, BLOCK)
+        ok = (li < L)[:, None] & dok[None, :]
+        tile = g * stride_h + li[:, None] * HD + d[None, :]  # (BLOCK, HDP)
+        here = (li == slot)[:, None]
+        kt = tl.where(here, k_new[None, :], tl.load(k_ptr + tile, mask=ok, other=0.0))
+        vt = tl.where(here, v_new[None, :], tl.load(v_ptr + tile, mask=ok, other=0.0))
+        keep = tl.load(mask_ptr + li, mask=li < L, other=0) != 0
+        top, total, acc = _softmax_step(q, kt, vt, keep, top, total, acc, scale, dtype, IEEE)
+    return top, total, acc
+
+
+@triton.jit
 def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, mask_ptr, out_ptr, L, stride_h, scale,
                      HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, REP: tl.constexpr,
                      REPP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, IEEE: tl.constexpr):
@@ -122,29 +146,17 @@ def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, mask_ptr
     dtype = out_ptr.dtype.element_ty
     g = tl.program_id(0)
     _dependent_start(PDL)
-    d = tl.arange(0, HDP)
-    dok = d < HD
     k_new, v_new, q = _rotated_group(qkv_ptr, cos_ptr, sin_ptr, g, HQ, HKV, HD, HDP, REP, REPP, dtype)
     slot = tl.load(slot_ptr)
-    tl.store(k_ptr + g * stride_h + slot * HD + d, k_new, mask=dok)
-    tl.store(v_ptr + g * stride_h + slot * HD + d, v_new, mask=dok)
-    tl.debug_barrier()  # the new key and value are read back below by other threads of this program
+    d = tl.arange(0, HDP)
+    tl.store(k_ptr + g * stride_h + slot * HD + d, k_new, mask=d < HD)
+    tl.store(v_ptr + g * stride_h + slot * HD + d, v_new, mask=d < HD)
+    top, total, acc = _attend_keys(q, k_ptr, v_ptr, mask_ptr, g, slot, k_new, v_new, 0, L, L, stride_h, scale, HD,
+                                   HDP, REPP, BLOCK, dtype, IEEE)
     r = tl.arange(0, REPP)
-    qrows = (g * REP + r)[:, None] * HD  # (REPP, 1): this program's query heads
-    both = (r < REP)[:, None] & dok[None, :]
-    top = tl.full((REPP,), float("-inf"), tl.float32)
-    total = tl.zeros((REPP,), tl.float32)
-    acc = tl.zeros((REPP, HDP), tl.float32)
-    for l0 in tl.range(0, L, BLOCK):
-        li = l0 + tl.arange(0, BLOCK)
-        ok = (li < L)[:, None] & dok[None, :]
-        tile = g * stride_h + li[:, None] * HD + d[None, :]  # (BLOCK, HDP)
-        kt = tl.load(k_ptr + tile, mask=ok, other=0.0)
-        vt = tl.load(v_ptr + tile, mask=ok, other=0.0)
-        keep = tl.load(mask_ptr + li, mask=li < L, other=0) != 0
-        top, total, acc = _softmax_step(q, kt, vt, keep, top, total, acc, scale, dtype, IEEE)
     out = tl.where(total[:, None] > 0, acc / total[:, None], 0.0)  # a row with every key masked gives 0
-    tl.store(out_ptr + qrows + d[None, :], out.to(dtype), mask=both)
+    tl.store(out_ptr + (g * REP + r)[:, None] * HD + d[None, :], out.to(dtype),
+             mask=(r < REP)[:, None] & (d < HD)[None, :])
 
 
 @triton.jit
@@ -153,37 +165,24 @@ def partial_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, mask_ptr, 
                    HDP: tl.constexpr, REP: tl.constexpr, REPP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                    IEEE: tl.constexpr):
     """Program (KV head, split): its query heads over the split's keys, as partial softmax results
-    (kernels/cuda_attention_split.py)."""
+    (kernels/cuda_attention_split.py); split 0 stores the new key and value."""
     dtype = k_ptr.dtype.element_ty
     g = tl.program_id(0)
     split = tl.program_id(1)
     _dependent_start(PDL)
-    d = tl.arange(0, HDP)
-    dok = d < HD
     k_new, v_new, q = _rotated_group(qkv_ptr, cos_ptr, sin_ptr, g, HQ, HKV, HD, HDP, REP, REPP, dtype)
     slot = tl.load(slot_ptr)
+    d = tl.arange(0, HDP)
     if split == 0:
-        tl.store(k_ptr + g * stride_h + slot * HD + d, k_new, mask=dok)
-        tl.store(v_ptr + g * stride_h + slot * HD + d, v_new, mask=dok)
+        tl.store(k_ptr + g * stride_h + slot * HD + d, k_new, mask=d < HD)
+        tl.store(v_ptr + g * stride_h + slot * HD + d, v_new, mask=d < HD)
+    top, total, acc = _attend_keys(q, k_ptr, v_ptr, mask_ptr, g, slot, k_new, v_new, split * PER_SPLIT,
+                                   (split + 1) * PER_SPLIT, L, stride_h, scale, HD, HDP, REPP, BLOCK, dtype, IEEE)
     r = tl.arange(0, REPP)
-    qrows = (g * REP + r)[:, None] * HD  # (REPP, 1): this program's query heads
-    both = (r < REP)[:, None] & dok[None, :]
-    top = tl.full((REPP,), float("-inf"), tl.float32)
-    total = tl.zeros((REPP,), tl.float32)
-    acc = tl.zeros((REPP, HDP), tl.float32)
-    for l0 in tl.range(split * PER_SPLIT, (split + 1) * PER_SPLIT, BLOCK):
-        li = l0 + tl.arange(0, BLOCK)
-        ok = (li < L)[:, None] & dok[None, :]
-        tile = g * stride_h + li[:, None] * HD + d[None, :]  # (BLOCK, HDP)
-        here = (li == slot)[:, None]  # the new key and value, not the cache row split 0 may be writing
-        kt = tl.where(here, k_new[None, :], tl.load(k_ptr + tile, mask=ok, other=0.0))
-        vt = tl.where(here, v_new[None, :], tl.load(v_ptr + tile, mask=ok, other=0.0))
-        keep = tl.load(mask_ptr + li, mask=li < L, other=0) != 0
-        top, total, acc = _softmax_step(q, kt, vt, keep, top, total, acc, scale, dtype, IEEE)
     part = (g * REP + r) * tl.num_programs(1) + split  # (REPP,): this program's rows of the partials
     tl.store(top_ptr + part, top, mask=r < REP)
     tl.store(total_ptr + part, total, mask=r < REP)
-    tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=both)
+    tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=(r < REP)[:, None] & (d < HD)[None, :])
 
 
 @triton.jit
