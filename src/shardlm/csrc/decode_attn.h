@@ -228,54 +228,77 @@ inline std::vector<AttnTask> group_tasks(const int64_t* row_of, const int64_t* m
   return tasks;
 }
 
+// A step's attention work: its tasks (group_tasks) and their split into `parts` runs of about equal cost (a task
+// costs its span plus a fixed part, times its heads). The same for every layer of a step with the same KV map.
+struct AttnPlan {
+  std::vector<AttnTask> tasks;
+  std::vector<int64_t> heads, runs;
+  int64_t parts = 0;
+};
+
+inline AttnPlan plan_attention(const int64_t* row_of, const int64_t* map, const bool* mask, int64_t b, int64_t hq,
+                               int64_t hkv, int64_t t, int64_t threads) {
+  AttnPlan plan;
+  // Few rows: a task a head, so the threads split the work evenly (one row's three KV heads split two to one).
+  const int64_t group = b * hkv >= 4 * threads ? MAX_GROUP : 1;
+  plan.tasks = group_tasks(row_of, map, mask, b, hq, hkv, t, group, plan.heads);
+  const int64_t n_tasks = static_cast<int64_t>(plan.tasks.size());
+  plan.parts = std::min<int64_t>(threads, n_tasks);
+  if (plan.parts > 0)
+    plan.runs = cost_runs(n_tasks, plan.parts, [&](int64_t i) {
+      return static_cast<double>((plan.tasks[i].n + 8) * plan.tasks[i].nh);  // + 8: the per-head setup
+    });
+  return plan;
+}
+
+// The tasks of parts [first, last) of `plan`, on the calling thread; p: MAX_GROUP * max(t, 1) floats of scratch.
+template <typename W>
+void attend_parts(const AttnPlan& plan, int64_t first, int64_t last, const float* q, const W* keys, const W* vals,
+                  const bool* mask, float* out, int64_t hq, int64_t hkv, int64_t hd, int64_t max_len, int64_t t,
+                  float* p) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  auto base_of = [&](const AttnTask& a) { return ((a.row * hkv + a.kv) * max_len + a.lo) * hd; };
+  auto lines_of = [&](const AttnTask& a) { return (a.n * hd * static_cast<int64_t>(sizeof(W)) + 63) / 64; };
+  KvAhead ahead;
+  for (int64_t i = plan.runs[first]; i < plan.runs[last]; ++i)
+    if (lines_of(plan.tasks[i]) > 0) {
+      ahead.regions.push_back({reinterpret_cast<const char*>(keys + base_of(plan.tasks[i])), lines_of(plan.tasks[i])});
+      ahead.regions.push_back({reinterpret_cast<const char*>(vals + base_of(plan.tasks[i])), lines_of(plan.tasks[i])});
+    }
+  ahead.advance(0);
+  int64_t prefix = 0;  // lines of this thread's tasks before task i
+  for (int64_t i = plan.runs[first]; i < plan.runs[last]; ++i) {
+    const AttnTask& a = plan.tasks[i];
+    ahead.read = prefix;  // resynchronise (the loops' counts leave out tails)
+    prefix += 2 * lines_of(a);
+    const float* qs[MAX_GROUP];
+    float* os[MAX_GROUP];
+    for (int g = 0; g < a.nh; ++g) qs[g] = q + plan.heads[a.first + g] * hd, os[g] = out + plan.heads[a.first + g] * hd;
+    const int64_t base = base_of(a);
+    const bool* allowed = mask + (plan.heads[a.first] / hq) * t + a.lo;
+    switch (a.nh) {
+      case 1: attend_group<W, 1>(keys + base, vals + base, qs, os, allowed, a.n, hd, scale, p, ahead); break;
+      case 2: attend_group<W, 2>(keys + base, vals + base, qs, os, allowed, a.n, hd, scale, p, ahead); break;
+      case 3: attend_group<W, 3>(keys + base, vals + base, qs, os, allowed, a.n, hd, scale, p, ahead); break;
+      default: attend_group<W, 4>(keys + base, vals + base, qs, os, allowed, a.n, hd, scale, p, ahead);
+    }
+  }
+}
+
 // Attention of one token per row j over the cache: for each query head h, softmax(K q_h / sqrt(hd)) V, with K and
 // V the rows of KV head map[h] of slot row_of[j], positions allowed by mask (b, t), each row over its own allowed
 // span (allowed_span).
 //   q (b, hq, hd) float32; keys/vals: the cache (slots, hkv, max_len, hd) in W; out (b, hq, hd) float32.
-// The threads take runs of tasks of about equal cost (a task costs its span plus a fixed part, times its heads).
+// The threads take the runs of plan_attention.
 template <typename W>
 void attend_heads(const float* q, const W* keys, const W* vals, const int64_t* row_of, const int64_t* map,
                   const bool* mask, float* out, int64_t b, int64_t hq, int64_t hkv, int64_t hd, int64_t max_len,
                   int64_t t) {
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  // Few rows: a task a head, so the threads split the work evenly (one row's three KV heads split two to one).
-  const int64_t group = b * hkv >= 4 * at::get_num_threads() ? MAX_GROUP : 1;
-  std::vector<int64_t> heads;
-  const std::vector<AttnTask> tasks = group_tasks(row_of, map, mask, b, hq, hkv, t, group, heads);
-  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-  if (n_tasks == 0) return;
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), n_tasks);
-  const auto runs = cost_runs(n_tasks, parts, [&](int64_t i) {
-    return static_cast<double>((tasks[i].n + 8) * tasks[i].nh);  // + 8: the per-head setup, in positions' worth
-  });
-  auto base_of = [&](const AttnTask& a) { return ((a.row * hkv + a.kv) * max_len + a.lo) * hd; };
-  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+  const AttnPlan plan = plan_attention(row_of, map, mask, b, hq, hkv, t, at::get_num_threads());
+  if (plan.parts == 0) return;
+  at::parallel_for(0, plan.parts, 1, [&](int64_t first, int64_t last) {
     std::vector<float> p(static_cast<size_t>(MAX_GROUP * std::max<int64_t>(t, 1)));
-    auto lines_of = [&](const AttnTask& a) { return (a.n * hd * static_cast<int64_t>(sizeof(W)) + 63) / 64; };
-    KvAhead ahead;
-    for (int64_t i = runs[first]; i < runs[last]; ++i)
-      if (lines_of(tasks[i]) > 0) {
-        ahead.regions.push_back({reinterpret_cast<const char*>(keys + base_of(tasks[i])), lines_of(tasks[i])});
-        ahead.regions.push_back({reinterpret_cast<const char*>(vals + base_of(tasks[i])), lines_of(tasks[i])});
-      }
-    ahead.advance(0);
-    int64_t prefix = 0;  // lines of this thread's tasks before task i
-    for (int64_t i = runs[first]; i < runs[last]; ++i) {
-      const AttnTask& a = tasks[i];
-      ahead.read = prefix;  // resynchronise (the loops' counts leave out tails)
-      prefix += 2 * lines_of(a);
-      const float* qs[MAX_GROUP];
-      float* os[MAX_GROUP];
-      for (int g = 0; g < a.nh; ++g) qs[g] = q + heads[a.first + g] * hd, os[g] = out + heads[a.first + g] * hd;
-      const int64_t base = base_of(a);
-      const bool* allowed = mask + (heads[a.first] / hq) * t + a.lo;
-      switch (a.nh) {
-        case 1: attend_group<W, 1>(keys + base, vals + base, qs, os, allowed, a.n, hd, scale, p.data(), ahead); break;
-        case 2: attend_group<W, 2>(keys + base, vals + base, qs, os, allowed, a.n, hd, scale, p.data(), ahead); break;
-        case 3: attend_group<W, 3>(keys + base, vals + base, qs, os, allowed, a.n, hd, scale, p.data(), ahead); break;
-        default: attend_group<W, 4>(keys + base, vals + base, qs, os, allowed, a.n, hd, scale, p.data(), ahead);
-      }
-    }
+    attend_parts<W>(plan, first, last, q, keys, vals, mask, out, hq, hkv, hd, max_len, t, p.data());
   });
 }
 

@@ -4,9 +4,10 @@
 // for the bundled model's 30 blocks, each call converting its lists of weights and optional biases and the
 // Python around it (the block's module call, argument checks, reshapes) running in between: `perf` put about a
 // third of an int4 batch-1 step there. A DecodeStack is built once per rank with each block's weights (they never
-// change on a rank where nothing streams); `step` takes the layers' KV caches at each call (so the stack holds no
-// cache past its run) and runs the same two functions per block, in the same order, with the residual added inside
-// (one rank: nothing to all-reduce), so its output is the per-block path's bit for bit.
+// change on a rank where nothing streams), checked then; `step` takes the layers' KV caches at each call (so the
+// stack holds no cache past its run) and runs every block in one parallel region (StackStep, stack_step.h): the
+// same arithmetic per value as the fused halves, in the same order, with the residual added inside (one rank:
+// nothing to all-reduce), so its output is the per-block path's bit for bit.
 #pragma once
 #include <torch/extension.h>
 
@@ -15,16 +16,9 @@
 #include <vector>
 
 #include "decode.h"
+#include "stack_step.h"
 
 namespace shardlm {
-
-// One block's fixed tensors: norms, the seven linear weights (see Linear), biases and the query heads' KV map.
-struct StackBlock {
-  torch::Tensor ln1, ln2, kv_map;
-  double eps1 = 0.0, eps2 = 0.0;
-  Linear q, k, v, o, gate, up, down;
-  std::optional<torch::Tensor> bq, bk, bv, bo, bg, bu, bd;
-};
 
 class DecodeStack {
  public:
@@ -47,13 +41,12 @@ class DecodeStack {
       StackBlock b;
       Linear* ls[7] = {&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down};
       for (size_t j = 0; j < 7; ++j) *ls[j] = linear_of(weights[i], scales[i], pads[i], j);
-      std::optional<torch::Tensor>* bs[7] = {&b.bq, &b.bk, &b.bv, &b.bo, &b.bg, &b.bu, &b.bd};
-      for (size_t j = 0; j < 7; ++j) *bs[j] = biases[i][j];
       b.ln1 = norms[i].first;
       b.ln2 = norms[i].second;
-      b.eps1 = eps[i].first;
-      b.eps2 = eps[i].second;
+      b.eps1 = static_cast<float>(eps[i].first);
+      b.eps2 = static_cast<float>(eps[i].second);
       b.kv_map = kv_maps[i];
+      check_block(b, biases[i], i);
       blocks_.push_back(std::move(b));
     }
   }
@@ -66,24 +59,44 @@ class DecodeStack {
                      const std::vector<std::pair<torch::Tensor, torch::Tensor>>& caches) const {
     TORCH_CHECK(caches.size() == blocks_.size(), "decode stack: ", blocks_.size(), " blocks but ", caches.size(),
                 " caches");
-    return float_model(x) ? run<float>(x, cos, sin, rows, positions, mask, caches)
-                          : run<uint16_t>(x, cos, sin, rows, positions, mask, caches);
+    TORCH_CHECK(!blocks_.empty(), "decode stack: no blocks");
+    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    if (float_model(x))
+      return StackStep<float>(blocks_, x, cos, sin, rows, positions, mask, caches, threads).run();
+    return StackStep<uint16_t>(blocks_, x, cos, sin, rows, positions, mask, caches, threads).run();
   }
 
   int64_t size() const { return static_cast<int64_t>(blocks_.size()); }
 
  private:
-  template <typename W>
-  torch::Tensor run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& rows,
-                    const torch::Tensor& positions, const torch::Tensor& mask,
-                    const std::vector<std::pair<torch::Tensor, torch::Tensor>>& caches) const {
-    for (size_t i = 0; i < blocks_.size(); ++i) {
-      const StackBlock& b = blocks_[i];
-      auto h = attn_decode_t<W>(x, b.ln1, b.eps1, b.q, b.k, b.v, b.bq, b.bk, b.bv, cos, sin, caches[i].first,
-                                caches[i].second, rows, positions, b.kv_map, mask, b.o, b.bo, true);
-      x = mlp_decode_t<W>(h, b.ln2, b.eps2, b.gate, b.up, b.bg, b.bu, b.down, b.bd, true);
-    }
-    return x;
+  // The block's weights, norms and biases checked once (they do not change), the norms and biases kept in float32.
+  static void check_block(StackBlock& b, const std::vector<std::optional<torch::Tensor>>& biases, size_t i) {
+    const auto dtype = b.ln1.scalar_type();
+    TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "decode stack: block ", i,
+                " norm weights must be float32 or bfloat16, got ", dtype);
+    check(b.ln1, dtype, "norm weight");
+    check(b.ln2, dtype, "norm weight");
+    const int64_t dim = b.ln1.numel(), nq = b.q.out_rows(), nk = b.k.out_rows(), inter = b.gate.out_rows();
+    TORCH_CHECK(b.ln2.numel() == dim, "decode stack: block ", i, " norms of ", dim, " and ", b.ln2.numel());
+    check_linear(b.q, dtype, "q weight", nq, dim);
+    check_linear(b.k, dtype, "k weight", nk, dim);
+    check_linear(b.v, dtype, "v weight", nk, dim);
+    check_linear(b.o, dtype, "o weight", dim, nq);
+    check_linear(b.gate, dtype, "gate weight", inter, dim);
+    check_linear(b.up, dtype, "up weight", inter, dim);
+    check_linear(b.down, dtype, "down weight", dim, inter);
+    const bool quantized = b.q.quantized();
+    for (const Linear* l : {&b.k, &b.v, &b.o, &b.gate, &b.up, &b.down})
+      TORCH_CHECK(l->quantized() == quantized && l->int4() == b.q.int4(), "decode stack: block ", i,
+                  " mixes quantized and float (or int8 and int4) weights");
+    TORCH_CHECK(b.kv_map.scalar_type() == torch::kLong && b.kv_map.is_contiguous() && b.kv_map.dim() == 1,
+                "decode stack: block ", i, " kv_map must be a contiguous (hq,) int64 tensor");
+    b.ln1f = f32(b.ln1);
+    b.ln2f = f32(b.ln2);
+    const int64_t sizes[7] = {nq, nk, nk, dim, inter, inter, dim};
+    const char* names[7] = {"q bias", "k bias", "v bias", "o bias", "gate bias", "up bias", "down bias"};
+    torch::Tensor* out[7] = {&b.bq, &b.bk, &b.bv, &b.bo, &b.bg, &b.bu, &b.bd};
+    for (size_t j = 0; j < 7; ++j) *out[j] = bias_f32(biases[j], sizes[j], names[j]);
   }
 
   std::vector<StackBlock> blocks_;
