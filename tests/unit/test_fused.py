@@ -226,3 +226,49 @@ def test_every_block_in_one_call_equals_the_blocks_one_by_one(name, dtype, kind,
     assert torch.equal(whole, blocks) and torch.equal(again, blocks)
     gc.collect()
     assert [ref() for ref in caches] == [None, None], "the stack kept a finished run's KV cache alive"
+
+
+@pytest.mark.parametrize("kind", ["none", "int4"])
+@torch.no_grad()
+def test_the_stack_gives_the_same_bits_with_any_number_of_threads(kind, random_dirs):
+    """The stack's one parallel region (csrc/stack_step.h) splits each product's rows, the heads' rotary and the
+    attention tasks by the team's size; a value must not depend on which thread computed it: teams of 1, 2 and 3
+    threads give the same logits bit for bit."""
+    model, args = _load(random_dirs["gqa12x4"], **({} if kind == "none" else {"quantization": kind}))
+    assert isinstance(model.module.decode_stack, FusedStack)
+    prompts = _prompts(args.vocab_size)
+    _, fed, _ = _decode_logits(model, args, prompts, 8, use_fused=False)
+    threads, stack = torch.get_num_threads(), model.module.decode_stack
+    counted = model.module.decode_stack = _Counted(stack)
+    try:
+        got = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got.append(_teacher_forced(model, prompts, fed))
+    finally:
+        torch.set_num_threads(threads)
+        model.module.decode_stack = stack
+    assert counted.runs == 3 * len(fed), "the stack did not run every decode step"
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+@torch.no_grad()
+def test_a_stack_step_with_a_misshaped_cache_names_the_block_and_writes_nothing(random_dirs):
+    """A cache of the wrong shape is refused before any thread starts, naming the block, and no cache is written."""
+    model, args = _load(random_dirs["gqa12x4"])
+    stack = model.module.decode_stack
+    prompts = _prompts(args.vocab_size)
+    _teacher_forced(model, prompts, _decode_logits(model, args, prompts, 2, use_fused=False)[1])  # builds the kernel
+    layers = len(stack.layers)
+    kv_heads, head_dim = args.n_kv_heads, args.head_dim
+    caches = [(torch.zeros(2, kv_heads, 16, head_dim), torch.zeros(2, kv_heads, 16, head_dim)) for _ in range(layers)]
+    caches[1] = (torch.zeros(2, kv_heads, 16, head_dim + 2), torch.zeros(2, kv_heads, 16, head_dim + 2))
+    x = torch.randn(1, args.dim)
+    cos, sin = torch.ones(1, head_dim), torch.zeros(1, head_dim)
+    rows, positions = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="block 1"):
+        stack._kernel.step(x, cos, sin, rows, positions, mask, caches)
+    assert all(not k.any() and not v.any() for k, v in caches), "a refused step wrote a cache"
+    with pytest.raises(RuntimeError, match=f"{layers} blocks but {layers - 1} caches"):
+        stack._kernel.step(x, cos, sin, rows, positions, mask, caches[:-1])

@@ -35,6 +35,28 @@ struct QuantRows {
   int64_t kp = 0, blocks = 0;
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// One whole block of 32 finite values as quantize_rows' scalar loop quantizes it, sixteen lanes at a time: the
+// same max |x| (exact in any order), the same products x * inv rounded to nearest even (the conversion's rounding
+// is nearbyint's), the same codes and sum. False, with nothing written, when a value is NaN or infinite (the
+// scalar loop handles those). The scalar loop had been 2-3 % of a batch-1 int4 step, on every thread (perf).
+inline bool quantize_block32(const float* x, int16_t* codes, float& scale, float& sum) {
+  const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+  const __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  if ((_mm512_cmp_ps_mask(alo, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ahi, inf, _CMP_LT_OQ)) != 0xFFFF) return false;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi));
+  const float d = amax / 32767.f;
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+  const __m512i clo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), chi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm512_cvtepi32_epi16(clo));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 16), _mm512_cvtepi32_epi16(chi));
+  scale = d;
+  sum = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(clo, chi)));
+  return true;
+}
+#endif
+
 // Quantize b rows of k floats (row stride k): per block, scale = max |x| / 32767, code = round(x / scale).
 inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, QuantRows& out) {
   out.kp = kp;
@@ -45,6 +67,11 @@ inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, Quan
   for (int64_t j = 0; j < b; ++j)
     for (int64_t blk = 0; blk < out.blocks; ++blk) {
       const int64_t a = blk * QBLOCK, e = std::min(k, a + QBLOCK);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if (e - a == QBLOCK && quantize_block32(x + j * k + a, out.codes.data() + j * kp + a,
+                                              out.scales[j * out.blocks + blk], out.sums[j * out.blocks + blk]))
+        continue;
+#endif
       float amax = 0.f;
       bool finite = true;
       for (int64_t i = a; i < e; ++i) {
