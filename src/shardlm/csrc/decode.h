@@ -196,6 +196,28 @@ inline void quantize_padded(const float* x, int64_t b, int64_t k, int64_t pad_le
   quantize_rows(padded.data(), b, kp, kp, out);
 }
 
+// Units [lo, hi) of a quantized weight (int4: tiles of 16 rows; int8: rows) against xq into y (b, n) as T.
+template <typename T>
+inline void quantized_units(const Linear& l, const QuantRows& xq, T* y, int64_t b, int64_t lo, int64_t hi,
+                            bool exact) {
+  if (l.int4())
+    q4rows_tiled<T>(l.tiles(), xq, y, b, lo, hi, exact);
+  else
+    qrows<T>(data<int8_t>(l.w), xq.kp, data<float>(l.scale), xq, y, l.w.size(0), b, lo, hi, exact);
+}
+
+// Weights read as one range of units (each weight's size(0): int8 or float rows, int4 tiles): for the part of
+// [lo, hi) that falls in each weight, part(weight, its output, first unit, end unit), units counted in that weight.
+template <typename Outs, typename Part>
+inline void each_part(const Outs& outs, int64_t lo, int64_t hi, Part&& part) {
+  int64_t start = 0;
+  for (auto [l, y] : outs) {
+    const int64_t n = l->w.size(0), a = std::max(lo, start), e = std::min(hi, start + n);
+    if (a < e) part(*l, y, a - start, e - start);
+    start += n;
+  }
+}
+
 // ys[i] (b, n_i) = x (b, k) @ weight_i^T for int8 or int4 weights of one padded width that read the same x, in
 // one parallel region (x quantized once, for all). `exact`: sums in double (the o and down projections, whose
 // rows tensor parallelism splits; qrows.h); T = double keeps a row-parallel rank's partial sums unrounded.
@@ -208,19 +230,11 @@ inline void project_quantized(const std::vector<std::pair<const Linear*, T*>>& o
                     l->padded_width() == first.padded_width(), "fused decode: weights read together differ in form");
   QuantRows xq;
   quantize_padded(x, b, k, first.pad_left, first.padded_width(), xq);
-  // the parallel range counts int8 rows or int4 tiles of 16 rows (each weight's size(0))
   int64_t total = 0;
   for (auto [l, y] : o) total += l->w.size(0);
   at::parallel_for(0, total, first.int4() ? 1 : 16, [&](int64_t lo, int64_t hi) {
-    int64_t start = 0;
-    for (auto [l, y] : o) {
-      const int64_t n = l->w.size(0), a = std::max(lo, start), e = std::min(hi, start + n);
-      if (a < e && l->int4())
-        q4rows_tiled<T>(l->tiles(), xq, y, b, a - start, e - start, exact);
-      else if (a < e)
-        qrows<T>(data<int8_t>(l->w), xq.kp, data<float>(l->scale), xq, y, n, b, a - start, e - start, exact);
-      start += n;
-    }
+    each_part(o, lo, hi,
+              [&](const Linear& l, T* y, int64_t a, int64_t e) { quantized_units<T>(l, xq, y, b, a, e, exact); });
   });
 }
 

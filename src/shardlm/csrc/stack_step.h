@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -47,12 +48,10 @@ template <typename W>
 inline void product_units(const Linear& l, const float* x, const QuantRows& xq, float* y, int64_t k, int64_t b,
                           int64_t lo, int64_t hi, bool exact) {
   if (lo >= hi) return;
-  if (!l.quantized())
-    rows<W>(data<W>(l.w), x, y, l.w.size(0), k, b, lo, hi);
-  else if (l.int4())
-    q4rows_tiled<float>(l.tiles(), xq, y, b, lo, hi, exact);
+  if (l.quantized())
+    quantized_units<float>(l, xq, y, b, lo, hi, exact);
   else
-    qrows<float>(data<int8_t>(l.w), xq.kp, data<float>(l.scale), xq, y, l.w.size(0), b, lo, hi, exact);
+    rows<W>(data<W>(l.w), x, y, l.w.size(0), k, b, lo, hi);
 }
 
 // The products of weights that read the same x, as one range of units split over the team (as project() splits
@@ -64,12 +63,9 @@ inline std::pair<int64_t, int64_t> product_share(std::initializer_list<std::pair
   int64_t total = 0;
   for (auto [l, y] : outs) total += units_of(*l);
   const auto [lo, hi] = share_of(total, tid, team, outs.begin()->first->int4() ? 1 : 16);
-  int64_t start = 0;
-  for (auto [l, y] : outs) {
-    const int64_t n = units_of(*l);
-    product_units<W>(*l, x, xq, y, k, b, std::max(lo, start) - start, std::min(hi, start + n) - start, exact);
-    start += n;
-  }
+  each_part(outs, lo, hi, [&](const Linear& l, float* y, int64_t a, int64_t e) {
+    product_units<W>(l, x, xq, y, k, b, a, e, exact);
+  });
   return {lo, hi};
 }
 
@@ -86,7 +82,6 @@ class StackStep {
       : blocks_(blocks), caches_(caches), x_(x), team_(threads) {
     check_inputs(cos, sin, rows, positions, mask);
     cos_ = f32(cos), sin_ = f32(sin);
-    row_of_ = rows.data_ptr<int64_t>(), pos_of_ = positions.data_ptr<int64_t>(), mask_ = mask.data_ptr<bool>();
     for (const StackBlock& blk : blocks_) {
       nq_ = std::max(nq_, blk.q.out_rows()), nk_ = std::max(nk_, blk.k.out_rows());
       inter_ = std::max(inter_, blk.gate.out_rows());
@@ -128,7 +123,6 @@ class StackStep {
     QuantRows xq;
   };
 
-  static int64_t row_of(const torch::Tensor& t, int64_t j) { return t.data_ptr<int64_t>()[j]; }
   void check_inputs(const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& rows,
                     const torch::Tensor& positions, const torch::Tensor& mask);
   void plan_attention_of_blocks();
@@ -160,6 +154,16 @@ class StackStep {
         if (bp) v += bp[i];
         into[j * dim_ + i] = round_to(v, W{});
       }
+  }
+
+  // An output projection's share (o or down, summed as `exact` weights): `in` (b, k) through w, then
+  // into = round(w's rows + res (+ bias)) on this thread's columns.
+  void output_share(const Linear& w, const float* in, int64_t k, const float* res, const torch::Tensor& bias,
+                    float* into, int64_t tid, Scratch& s) {
+    if (w.quantized()) quantize_padded(in, b_, k, w.pad_left, w.padded_width(), s.xq);
+    const auto [lo, hi] = product_share<W>({{&w, out_.data()}}, in, s.xq, k, b_, true, tid, team_.size());
+    const auto [r0, r1] = unit_rows(w, lo, hi);
+    finish(out_.data(), res, bias, into, r0, r1);
   }
 
   bool attention(size_t i, int64_t tid, Scratch& s);
@@ -196,6 +200,7 @@ void StackStep<W>::check_inputs(const torch::Tensor& cos, const torch::Tensor& s
   TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == b_,
               "fused decode: mask must be (b, t) bool");
   t_ = mask.size(1);
+  row_of_ = rows.data_ptr<int64_t>(), pos_of_ = positions.data_ptr<int64_t>(), mask_ = mask.data_ptr<bool>();
   for (size_t i = 0; i < blocks_.size(); ++i) {
     const StackBlock& blk = blocks_[i];
     const torch::Tensor &kc = caches_[i].first, &vc = caches_[i].second;
@@ -212,14 +217,20 @@ void StackStep<W>::check_inputs(const torch::Tensor& cos, const torch::Tensor& s
                 " key outputs, a cache of ", kc.sizes(), " and rotary tables of ", cos.sizes());
     TORCH_CHECK(t_ <= max_len, "KV cache holds ", max_len, " tokens; this step needs ", t_, ". Raise max_len.");
     for (int64_t j = 0; j < b_; ++j)
-      TORCH_CHECK(row_of(rows, j) >= 0 && row_of(rows, j) < slots && row_of(positions, j) >= 0 &&
-                      row_of(positions, j) < t_,
-                  "fused decode: row ", j, " writes slot ", row_of(rows, j), " position ", row_of(positions, j),
-                  " outside ", slots, " slots x ", t_, " positions");
+      TORCH_CHECK(row_of_[j] >= 0 && row_of_[j] < slots && pos_of_[j] >= 0 && pos_of_[j] < t_, "fused decode: row ",
+                  j, " writes slot ", row_of_[j], " position ", pos_of_[j], " outside ", slots, " slots x ", t_,
+                  " positions");
     const int64_t* map = blk.kv_map.data_ptr<int64_t>();
     for (int64_t h = 0; h < blk.kv_map.numel(); ++h)
       TORCH_CHECK(map[h] >= 0 && map[h] < hkv, "fused decode: kv_map[", h, "] = ", map[h], " is not a local KV head");
   }
+}
+
+// Two checked (hq,) int64 KV maps with the same heads (compared in place: a dispatched torch::equal per block and
+// step would cost more than the plan it saves).
+inline bool same_map(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.numel() == b.numel() &&
+         std::memcmp(a.data_ptr<int64_t>(), b.data_ptr<int64_t>(), a.numel() * sizeof(int64_t)) == 0;
 }
 
 // Each block's attention plan; blocks whose KV map and cache shape equal an earlier block's share its plan.
@@ -230,7 +241,7 @@ void StackStep<W>::plan_attention_of_blocks() {
     const int64_t hkv = caches_[i].first.size(1), hq = map.numel();
     size_t same = i;
     for (size_t e = 0; e < i && same == i; ++e)
-      if (caches_[e].first.size(1) == hkv && torch::equal(blocks_[e].kv_map, map)) same = plan_of_[e];
+      if (caches_[e].first.size(1) == hkv && same_map(blocks_[e].kv_map, map)) same = plan_of_[e];
     if (same == i) {
       same = plans_.size();
       plans_.push_back(plan_attention(row_of_, map.data_ptr<int64_t>(), mask_, b_, hq, hkv, t_, team_.size()));
@@ -256,10 +267,7 @@ bool StackStep<W>::attention(size_t i, int64_t tid, Scratch& s) {
     attend_parts<W>(plan, tid, tid + 1, q_.data(), data<W>(kc), data<W>(caches_[i].second), mask_, heads_.data(),
                     nq / hd_, kc.size(1), hd_, kc.size(2), t_, s.p.data());
   if (!team_.sync()) return false;
-  if (blk.o.quantized()) quantize_padded(heads_.data(), b_, nq, blk.o.pad_left, blk.o.padded_width(), s.xq);
-  const auto [lo, hi] = product_share<W>({{&blk.o, out_.data()}}, heads_.data(), s.xq, nq, b_, true, tid, team);
-  const auto [r0, r1] = unit_rows(blk.o, lo, hi);
-  finish(out_.data(), xs_.data(), blk.bo, hs_.data(), r0, r1);
+  output_share(blk.o, heads_.data(), nq, xs_.data(), blk.bo, hs_.data(), tid, s);
   return team_.sync();
 }
 
@@ -312,10 +320,7 @@ bool StackStep<W>::mlp(const StackBlock& blk, int64_t tid, Scratch& s) {
     silu_mul(a + r0, g + r0, r1 - r0);
   }
   if (!team_.sync()) return false;
-  if (blk.down.quantized()) quantize_padded(act_.data(), b_, n, blk.down.pad_left, blk.down.padded_width(), s.xq);
-  const auto [dlo, dhi] = product_share<W>({{&blk.down, out_.data()}}, act_.data(), s.xq, n, b_, true, tid, team);
-  const auto [d0, d1] = unit_rows(blk.down, dlo, dhi);
-  finish(out_.data(), hs_.data(), blk.bd, xs_.data(), d0, d1);
+  output_share(blk.down, act_.data(), n, hs_.data(), blk.bd, xs_.data(), tid, s);
   return team_.sync();
 }
 
