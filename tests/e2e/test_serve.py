@@ -300,8 +300,16 @@ def test_a_port_in_use_is_refused_before_loading():
     assert len(res.stderr.strip().splitlines()) == 1 and time.monotonic() - t0 < 60
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "3"], ["--tp", "2", "--pp", "2"]],
-                         ids=["tp2", "tp3", "tp2xpp2"])
+def test_a_decode_run_out_of_range_is_refused():
+    res = subprocess.run([sys.executable, "-m", "shardlm", "serve", "--decode-run", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "--decode-run" in res.stderr and "1" in res.stderr, res.stderr
+
+
+# tp 3 and tp 2 x pp 2 with steps of several decode tokens (--decode-run; pipeline stages run one token a step)
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "3", "--decode-run", "4"],
+                                    ["--tp", "2", "--pp", "2", "--decode-run", "4"]],
+                         ids=["tp2", "tp3-run4", "tp2xpp2"])
 def test_sharded_servers_equal_transformers(bundled_dir, hf_greedy, layout):
     with Server(*layout, "--max-batch", "4", "--max-seq-len", "128") as s:
         client = s.client()

@@ -48,14 +48,14 @@ def _requests(stop_token: int | None, stop_text: str | None) -> list[Request]:
     return [Request(_prompt(n, i), p) for i, (n, p) in enumerate(params)]
 
 
-def _drive(rank, tokenizer, reqs: list[Request], pipelined: bool) -> dict:
-    """Run `reqs` to the end on one in-process rank; the rows each step computed and the Decode rows fed from
-    the rank's own samples."""
-    sched = Scheduler(SLOTS, MAX_LEN, CHUNK, (0,))
+def _drive(rank, tokenizer, reqs: list[Request], pipelined: bool, decode_run: int = 1) -> dict:
+    """Run `reqs` to the end on one in-process rank; the rows each step computed, the Decode rows fed from
+    the rank's own samples, and the steps that ran their decode rows more than once."""
+    sched = Scheduler(SLOTS, MAX_LEN, CHUNK, (0,), decode_run=decode_run)
     runner = SlotRunner(rank, ParallelContext())
     for r in reqs:
         sched.add(r)
-    counts = {"rows": 0, "held": 0}
+    counts = {"rows": 0, "held": 0, "repeated": 0}
     under_way: tuple[Step, object] | None = None
 
     def apply(step, result):
@@ -71,7 +71,8 @@ def _drive(rank, tokenizer, reqs: list[Request], pipelined: bool) -> dict:
             apply(*under_way)
             under_way = None
             continue
-        counts["rows"] += len(step.decodes)
+        counts["rows"] += len(step.decodes) * step.repeat
+        counts["repeated"] += step.repeat > 1
         counts["held"] += sum(d.token is None for d in step.decodes)
         result = runner.run(step)  # the rank runs steps in order; the driver applies the one before later
         if under_way is not None:
@@ -105,6 +106,51 @@ def test_pipelined_steps_give_every_request_the_same_tokens_and_ending(rank, tok
     assert n_piped["held"] > 0, "no decode row used the token its rank held"
     # a request that ends on a token the driver sees late may cost one row of the step under way, no more
     assert n_plain["rows"] <= n_piped["rows"] <= n_plain["rows"] + 3
+
+
+@pytest.mark.parametrize("pipelined,decode_run", [(False, 8), (True, 8), (True, 3)])
+def test_decode_runs_give_every_request_the_same_tokens_and_ending(rank, tokenizer, pipelined, decode_run):
+    """Steps that decode several tokens a row (Scheduler.decode_run) end every request as single steps do; only
+    a cancellation, seen at a step boundary, may land later (its tokens up to then are the same)."""
+    probe = _requests(None, None)
+    _drive(rank, tokenizer, probe, pipelined=False)
+    stop_token = probe[4].output_ids[5]
+    stop_text = tokenizer.decode(probe[5].output_ids[3:5]).strip()[:3]
+    plain, runs = _requests(stop_token, stop_text), _requests(stop_token, stop_text)
+    n_plain = _drive(rank, tokenizer, plain, pipelined=False)
+    n_runs = _drive(rank, tokenizer, runs, pipelined=pipelined, decode_run=decode_run)
+    for i, (a, b) in enumerate(zip(plain, runs)):
+        assert b.finish_reason == a.finish_reason and b.pending == 0
+        if i == 2:  # cancelled after CANCEL_AFTER tokens: a run under way may have given it more
+            assert b.output_ids[:CANCEL_AFTER] == a.output_ids and len(b.output_ids) <= CANCEL_AFTER + 2 * decode_run
+        else:
+            assert b.output_ids == a.output_ids, f"{a.id}: tokens differ with decode runs of {decode_run}"
+    assert len(runs[3].prompt_ids) + len(runs[3].output_ids) == MAX_LEN  # a run never passes max_seq_len
+    assert n_runs["repeated"] > 0, "no step ran its decode rows more than once"
+    # rows computed past an ending: at most two runs (the one under way and the next) for each of 7 requests
+    assert n_plain["rows"] <= n_runs["rows"] <= n_plain["rows"] + 7 * 2 * decode_run
+
+
+def test_a_decode_run_waits_for_prompts_and_stops_at_the_first_rows_limit(rank):
+    """No run while a prompt waits or is prefilling; a run is as long as the row with the least room allows."""
+    sched = Scheduler(2, MAX_LEN, CHUNK, (0,), decode_run=8)
+    a = Request(_prompt(4, 1), GenerationParams(max_tokens=20, temperature=0))
+    b = Request(_prompt(4, 2), GenerationParams(max_tokens=5, temperature=0))
+    c = Request(_prompt(4, 3), GenerationParams(max_tokens=5, temperature=0))
+    for r in (a, b, c):
+        sched.add(r)
+    first = sched.next_step()
+    assert first.repeat == 1 and len(first.prefills) == 2  # c waits for a slot
+    from shardlm.runtime.work import Sampled, StepResult
+
+    sched.apply(first, StepResult(first.id, {0: Sampled(7), 1: Sampled(7)}), None)
+    step = sched.next_step()
+    assert step.repeat == 1, "a request waits for a slot: no run"
+    c.cancel()
+    sched.apply(step, StepResult(step.id, {0: Sampled(7), 1: Sampled(7)}), None)
+    step = sched.next_step()  # b has made 2 of its 5 tokens: a run of 3
+    assert step.repeat == 3 and [d.position for d in step.decodes] == [5, 5]
+    assert a.pending == b.pending == 3
 
 
 def test_pipelined_greedy_tokens_equal_transformers(rank, tokenizer, bundled_dir):

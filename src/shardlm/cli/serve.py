@@ -45,6 +45,7 @@ def serve(
     max_batch: Optional[int] = typer.Option(None, "--max-batch", parser=o.MAX_BATCH, help="KV-cache slots: sequences decoded together (default 16; a manifest's kv_cache.max_batch)."),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", parser=o.MAX_SEQ_LEN, help="Prompt + generated tokens per sequence (default min(model, 2048))."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", parser=o.PREFILL_CHUNK, help="Prompt tokens prefilled per step beside running decodes (default 512; smaller stalls running streams for less time a step, larger prefills faster)."),
+    decode_run: int = typer.Option(1, "--decode-run", parser=o.DECODE_RUN, help="Decode tokens a stream may get from one step while no prompt waits (same tokens; fewer messages per token, but tokens arrive in bursts and a new request waits for the run under way)."),
     drain_s: float = typer.Option(30.0, "--drain-s", parser=o.DRAIN_S, help="On SIGTERM, how long requests in flight may take to finish."),
     allow_imbalance: bool = typer.Option(False, "--allow-imbalance", help="Serve a plan whose predicted stage times are out of balance (more than the plan's limit apart)."),
     no_metrics: bool = typer.Option(False, "--no-metrics", help="No request metrics or rank polling (/metrics answers 404); for measuring what monitoring costs."),
@@ -75,7 +76,8 @@ def serve(
         sock.close()
         fail(str(e))
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    engine = Engine(plan, source, Settings.from_env(log_level=level), max_queue=max_queue)
+    engine = Engine(plan, source, Settings.from_env(log_level=level), max_queue=max_queue,
+                    decode_run=decode_run)
     name = served_model_name or _model_name(source.folder)
     err.print(f"serving {name} on http://{host}:{port} (tp={plan.layout.tp} pp={plan.layout.pp}, "
               f"{plan.kv.max_batch} slots x {plan.kv.max_seq_len} tokens); loading...", highlight=False)

@@ -20,6 +20,12 @@ from shardlm.runtime.protocol import SamplingParams
 SEED_STRIDE = 1_000_003
 """Prompt i of a batch samples from seed * SEED_STRIDE + i (each prompt its own stream, as before)."""
 
+CPU_DECODE_RUN = 8
+"""Decode tokens a row per step message for `generate` on CPU ranks (Engine's `decode_run`): one message each way
+per 8 tokens rather than per token leaves the ranks' cores to them. bench/decode_runs.py (bundled model, tp 1,
+batch 1, 2 cores, 5 rounds): runs of 8 decoded 1.15x as fast as runs of 1 in int4, 1.11x in int8, 1.03x in float32;
+runs of 16 no faster than 8 (bench/RESULTS.md)."""
+
 
 @dataclass
 class GenerateResult:
@@ -39,10 +45,14 @@ class GenerateResult:
 
 class LocalEngine(Engine):
     """An Engine (ranks on this machine) with `generate` for a batch of prompts; its steps are pipelined (see
-    Engine.pipelined) unless `pipelined=False`."""
+    Engine.pipelined) unless `pipelined=False`, and on CPU ranks a step decodes up to CPU_DECODE_RUN tokens a row
+    unless `decode_run` says otherwise (GPU ranks: 1, where run-ahead steps keep tokens on the device instead,
+    runtime/ahead.py)."""
 
-    def __init__(self, *args, pipelined: bool = True, **kwargs):
-        super().__init__(*args, pipelined=pipelined, **kwargs)
+    def __init__(self, plan, *args, pipelined: bool = True, decode_run: int | None = None, **kwargs):
+        if decode_run is None:
+            decode_run = CPU_DECODE_RUN if plan.device == "cpu" else 1
+        super().__init__(plan, *args, pipelined=pipelined, decode_run=decode_run, **kwargs)
 
     @property
     def world(self) -> int:

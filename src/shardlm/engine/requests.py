@@ -156,7 +156,7 @@ class Request:
     """Prompt tokens sent to its slot's cache (in a step that ran, or one under way)."""
     output_ids: list[int] = field(default_factory=list)
     pending: int = 0
-    """Tokens asked of steps under way whose results the driver has not applied yet (0 or 1; see Scheduler)."""
+    """Tokens asked of steps under way whose results the driver has not applied yet (see Scheduler)."""
     finish_reason: str | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None

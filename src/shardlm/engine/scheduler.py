@@ -22,6 +22,13 @@ driver sees late (end of sequence, a stop string, cancellation) may have one mor
 under way; its result is dropped, and its slot's next owner starts in a later step, so the rows of other
 requests never change. Each step remembers which request asked for each slot, so a result is credited to
 that request even when its slot has changed hands since.
+
+A step may decode several tokens a row (`decode_run`, Step.repeat): while no prompt waits or is prefilling, the
+ranks run the step's decode rows up to `decode_run` times, feeding each row the token they sampled for it in the
+run before, and send every run's tokens back in one result. Each row's tokens are the ones single steps give (the
+same rows, positions and random streams); the run stops where the first row would pass its max_tokens or
+max_seq_len, and tokens a row sampled after its ending (end of sequence, a stop string) are dropped, as a late
+row of a pipelined step is.
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ class Scheduler:
     """Requests waiting and running, the free slots, and the step that comes next."""
 
     def __init__(self, slots: int, max_seq_len: int, prefill_chunk: int, eos_ids: tuple[int, ...],
-                 anchored: bool = False):
+                 anchored: bool = False, decode_run: int = 1):
         self.max_seq_len, self.prefill_chunk, self.eos_ids = max_seq_len, prefill_chunk, eos_ids
+        self.decode_run = decode_run
+        """At most this many decode tokens a row in one step, when no prompt waits (see the module docstring)."""
         self.anchored = anchored
         """Prompt chunks start at multiples of `prefill_chunk` (see the module docstring)."""
         self.free = list(range(slots - 1, -1, -1))  # pop() takes the lowest slot
@@ -75,12 +84,23 @@ class Scheduler:
         self._retire_cancelled()
         self.release()
         starts = self._admit()
-        decodes = tuple(self._decode(r) for r in self.running if self._may_decode(r))  # before the prefills move on
+        rows = [r for r in self.running if self._may_decode(r)]
+        repeat = self._repeat(rows)
+        decodes = tuple(self._decode(r, repeat) for r in rows)  # before the prefills move on
         prefills = self._prefills()
         self.step_id += 1
         if prefills or decodes:
             self._owners[self.step_id] = {r.slot: r for r in self.running}
-        return Step(self.step_id, tuple(starts), prefills, decodes)
+        return Step(self.step_id, tuple(starts), prefills, decodes, repeat)
+
+    def _repeat(self, rows: list[Request]) -> int:
+        """Decode runs for this step: 1 while a prompt waits or is prefilling, else up to `decode_run`, as far as
+        every row may go (max_tokens, max_seq_len)."""
+        if self.decode_run <= 1 or not rows or self.waiting or self.prompt_work():
+            return 1
+        room = min(min(r.params.max_tokens - len(r.output_ids) - r.pending,
+                       self.max_seq_len - r.length - r.pending) for r in rows)
+        return max(1, min(self.decode_run, room))
 
     def _may_decode(self, r: Request) -> bool:
         """Its prompt is in (or under way) and its next token is wanted: a step never decodes past the limits."""
@@ -88,11 +108,12 @@ class Scheduler:
         return (r.finish_reason is None and r.done_prefill and made > 0 and made < r.params.max_tokens
                 and r.length + r.pending < self.max_seq_len)
 
-    def _decode(self, r: Request) -> Decode:
+    def _decode(self, r: Request, repeat: int) -> Decode:
         """Its next decode row: the last token it produced, or (still under way) the one its slot holds."""
         token = r.output_ids[-1] if r.pending == 0 else None
-        r.pending += 1
-        return Decode(r.slot, token, r.length + r.pending - 2, r.params.sampling(), r.params.logprobs)
+        position = r.length + r.pending - 1
+        r.pending += repeat
+        return Decode(r.slot, token, position, r.params.sampling(), r.params.logprobs)
 
     def _retire_cancelled(self) -> None:
         for r in list(self.waiting):
@@ -155,9 +176,11 @@ class Scheduler:
                 self._finish(r, "length")
         for d in step.decodes:
             r = owners[d.slot]
-            r.pending -= 1
-            if r.finish_reason is None:  # else: it ended on an earlier token; this row's result is dropped
-                self._emit(r, result.slots[d.slot], now, tokenizer)
+            r.pending -= step.repeat
+            for got in [result.slots[d.slot]] + [run[d.slot] for run in result.later]:
+                if r.finish_reason is not None:  # it ended on an earlier token: this row's later results are dropped
+                    break
+                self._emit(r, got, now, tokenizer)
         return self.release()
 
     def release(self) -> list[Request]:

@@ -66,7 +66,7 @@ class Engine:
 
     def __init__(self, plan: Plan, source: ModelSource, settings: Settings | None = None, max_queue: int = 1024,
                  threads: int | None = None, shm: bool = True, timeout_s: float | None = None, tokenizer=None,
-                 pipelined: bool | None = None):
+                 pipelined: bool | None = None, decode_run: int = 1):
         self.plan, self.source, self.max_queue = plan, source, max_queue
         self.pipelined = (plan.device == "cuda" if pipelined is None else pipelined) and plan.layout.pp == 1
         """Send step n + 1 before applying step n's result (scheduler.py): the ranks keep each slot's sampled token
@@ -76,12 +76,20 @@ class Engine:
         per-token work then competes with CPU ranks for the cores), so by default (`pipelined` None) it is on only
         for GPU ranks, whose steps leave the host's cores free: there the driver's work would otherwise add to every
         step (the engine on an H200 took ~0.4 ms a step beyond its replay even pipelined, bench/RESULTS.md)."""
+        if decode_run < 1:
+            raise ValueError(f"decode_run is {decode_run}; a step decodes at least 1 token a row")
+        self.decode_run = decode_run if plan.layout.pp == 1 else 1
+        """Decode tokens a row one step may run when no prompt waits (Scheduler.decode_run): the ranks feed each
+        row its own samples in between, so the tokens are the same, with one message each way per run instead of
+        per token. Tokens then reach the client in bursts and a new request waits for the run under way, so the
+        default is 1 (a server); LocalEngine (`generate`) uses more on CPU ranks. Not with pipeline stages."""
         self.settings = settings or Settings.from_env()
         self.group = RankGroup(plan, source, self.settings, threads, shm,
                                timeout_s or self.settings.collective_timeout_s)
         self.tokenizer = tokenizer
         kv = plan.kv
-        self.scheduler = Scheduler(kv.max_batch, kv.max_seq_len, kv.prefill_chunk, source.args.eos_token_ids)
+        self.scheduler = Scheduler(kv.max_batch, kv.max_seq_len, kv.prefill_chunk, source.args.eos_token_ids,
+                                   decode_run=self.decode_run)
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._gather = StatsGather(self.group.world)
         self._wake = threading.Event()

@@ -146,32 +146,50 @@ class SlotRunner:
 
     @torch.inference_mode()
     def run(self, step: Step) -> StepResult | None:
-        """Run `step`; returns its result on the reporting rank, None elsewhere."""
-        t0 = time.perf_counter()
+        """Run `step` (its decode rows `step.repeat` times); returns its result on the reporting rank, None
+        elsewhere. The clock counts each decode run as a step of its own."""
+        t0 = mark = time.perf_counter()
         for s in step.starts:
             self.generators[s.slot] = torch.Generator().manual_seed(s.seed)
             self.sampled.pop(s.slot, None)
         out: dict[int, Sampled] = {}
+        later: list[dict[int, Sampled]] = []
         try:
-            for item in self._items(step):
-                logits = self._replayed(item)
-                if logits is None:
-                    logits = self._forward(item)
-                if logits is not None:
-                    out.update(self._sample(item, logits))
+            self._run_items(self._items(step), out)
+            for i in range(1, step.repeat):
+                mark = self._tick(mark)
+                later.append({})
+                self._run_items(self._decode_items(_moved(step.decodes, i)), later[-1])
         finally:
             self.ctx.flush()
-        seconds = time.perf_counter() - t0
-        self.clock.add(seconds)
-        return StepResult(step.id, out, seconds) if self.reports else None
+        seconds = self._tick(mark) - t0
+        return StepResult(step.id, out, seconds, later) if self.reports else None
+
+    def _tick(self, mark: float) -> float:
+        """Count the run since `mark` in the clock; returns now."""
+        now = time.perf_counter()
+        self.clock.add(now - mark)
+        return now
+
+    def _run_items(self, items: list, out: dict[int, Sampled]) -> None:
+        """Run forward passes in order; the last stage samples each into `out`."""
+        for item in items:
+            logits = self._replayed(item)
+            if logits is None:
+                logits = self._forward(item)
+            if logits is not None:
+                out.update(self._sample(item, logits))
 
     def _items(self, step: Step) -> list[_Item]:
         if self.rank.kernels.shared_prefill:
             groups = prefill_groups(step.prefills, self.cache.max_len)
         else:  # a GPU's products pick kernels by shape: one chunk a pass keeps a chunk's numbers its own
             groups = [[p] for p in step.prefills]
-        items = [self._prefill_item(group) for group in groups]
-        decodes = list(step.decodes)
+        return [self._prefill_item(group) for group in groups] + self._decode_items(list(step.decodes))
+
+    def _decode_items(self, decodes: list[Decode]) -> list[_Item]:
+        """Decode rows as micro-batches (one per stage at most)."""
+        items = []
         groups = min(len(decodes), self.micro_batches or self.rank.spec.pp)
         for a, b in (micro_batch_rows(len(decodes), groups) if decodes else []):
             part = decodes[a:b]
@@ -250,6 +268,11 @@ class SlotRunner:
                     got.logprob = _logprob(last[j], got.token, w.logprobs)
             out[w.slot] = got
         return out
+
+
+def _moved(decodes, i: int) -> list[Decode]:
+    """Decode run i of a repeated step: each row feeds the slot's last sample at its i-th next position."""
+    return [Decode(d.slot, None, d.position + i, d.params, d.logprobs) for d in decodes]
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

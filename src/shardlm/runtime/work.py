@@ -7,7 +7,7 @@ step's rows may be at different positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardlm.runtime.protocol import SamplingParams
 
@@ -60,6 +60,9 @@ class Step:
     starts: tuple[SlotStart, ...] = ()
     prefills: tuple[Prefill, ...] = ()
     decodes: tuple[Decode, ...] = ()
+    repeat: int = 1
+    """The decode rows run this many times: each run after the first feeds every row the token the run before
+    sampled for it, at the next position (a run of greedy or seeded tokens in one message each way)."""
     report_stats: bool = False
     """Every rank sends its counters (`rank_stats`) after this step: a poll asked for them, and riding on a step
     costs no round trip of its own between two steps."""
@@ -90,3 +93,5 @@ class StepResult:
     slots: dict[int, Sampled]
     seconds: float = 0.0
     """Wall time of the step on that rank."""
+    later: list[dict[int, Sampled]] = field(default_factory=list)
+    """With `Step.repeat` > 1: what each decode run after the first produced, in order."""
