@@ -1,6 +1,6 @@
 """Batch-1 decode through the engine with steps of one decode token against steps of several (Engine.decode_run).
 
-    python bench/decode_runs.py [--runs 1,8] [--formats int4,int8,float32] [--rounds 5] [--new-tokens 128]
+    python bench/decode_runs.py [--runs 1,8] [--formats int4,int8,float32,bfloat16] [--rounds 5] [--new-tokens 128]
                                 [--no-write]
 
 One LocalEngine per format (bundled model, tp 1, int8/int4 with the int8 embedding), kept for the whole run; within
@@ -35,7 +35,8 @@ PROMPT = list(range(100, 140))
 def measure(fmt: str, runs: list[int], rounds: int, new: int) -> dict[int, list[float]]:
     """tok/s samples per run length for one format."""
     quant = fmt if fmt in ("int8", "int4") else "none"
-    flags = RunFlags(tp=1, dtype="float32", quantization=quant, quantize_embedding=quant != "none")
+    flags = RunFlags(tp=1, dtype="bfloat16" if fmt == "bfloat16" else "float32", quantization=quant,
+                     quantize_embedding=quant != "none")
     plan, source = plan_run(str(default_model_dir(progress=False)), flags, KVBudget(2, 1024, 512))
     got: dict[int, list[float]] = {k: [] for k in runs}
     with LocalEngine(plan, source) as engine:

@@ -36,14 +36,14 @@ def _engine_class():
             self.steps: list[tuple[int, int, float]] = []
             self.last = None
 
-        def _receive_step(self):  # what `_apply` waits for: the step's result, with its rank seconds
-            self.last = super()._receive_step()
+        def _receive_step(self, runs: int = 1):  # what `_apply` waits for: the step's result, with its rank seconds
+            self.last = super()._receive_step(runs)
             return self.last
 
         def _apply(self, step) -> None:
             super()._apply(step)
             seconds = getattr(self.last, "seconds", 0.0)
-            self.steps.append((sum(len(p.tokens) for p in step.prefills), len(step.decodes), seconds))
+            self.steps.append((sum(len(p.tokens) for p in step.prefills), len(step.decodes) * step.repeat, seconds))
 
     return TimedEngine
 

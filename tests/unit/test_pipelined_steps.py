@@ -153,6 +153,48 @@ def test_a_decode_run_waits_for_prompts_and_stops_at_the_first_rows_limit(rank):
     assert a.pending == b.pending == 3
 
 
+def test_a_request_cancelled_during_a_run_gets_one_more_token(rank, tokenizer):
+    """A cancellation that lands while a run is under way costs the run's first token, as a single step would, not
+    the whole run."""
+    sched = Scheduler(SLOTS, MAX_LEN, CHUNK, (0,), decode_run=8)
+    runner = SlotRunner(rank, ParallelContext())
+    r = Request(_prompt(6, 9), GenerationParams(max_tokens=30, temperature=0))
+    sched.add(r)
+    step = sched.next_step()
+    sched.apply(step, runner.run(step), tokenizer)
+    step = sched.next_step()
+    assert step.repeat == 8
+    result = runner.run(step)
+    r.cancel()  # while the run is under way
+    sched.apply(step, result, tokenizer)
+    assert sched.next_step().empty and r.finish_reason == "cancelled" and len(r.output_ids) == 2 and r.pending == 0
+
+
+def test_the_driver_waits_longer_for_a_step_of_several_runs(bundled_dir):
+    """`timeout_s` bounds a decode run, not a message: a step of 8 runs may take 8 times as long."""
+    from refs import plan_for
+    from shardlm.engine.service import Engine
+    from shardlm.runtime.work import StepResult
+
+    plan, source = plan_for(bundled_dir)
+    engine = Engine(plan, source, timeout_s=5.0, decode_run=8)  # constructing it starts no rank
+    waits = []
+
+    class Group:
+        timeout_s = 5.0
+
+        def receive(self, timeout):
+            waits.append(timeout)
+            return "step", 0, StepResult(1, {})
+
+    engine.group = Group()
+    engine._receive_step(8)
+    engine._receive_step()
+    assert waits == [40.0, 5.0]
+    with pytest.raises(ValueError, match="at least 1"):
+        Engine(plan, source, decode_run=0)
+
+
 def test_pipelined_greedy_tokens_equal_transformers(rank, tokenizer, bundled_dir):
     """The two modes could agree and both be wrong: the greedy requests also equal transformers' tokens."""
     reqs = _requests(None, None)

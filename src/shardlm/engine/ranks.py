@@ -178,7 +178,7 @@ class RankGroup:
                 raise self._root_cause(msg)
             return msg
         self.stop(force=True)
-        raise RankFailure(f"no rank reported for {timeout:.0f} s; stopped every rank (raise timeout_s if the model "
+        raise RankFailure(f"no rank reported for {timeout:.3g} s; stopped every rank (raise timeout_s if the model "
                           "is that slow)")
 
     def check(self) -> None:

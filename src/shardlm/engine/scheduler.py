@@ -28,7 +28,9 @@ ranks run the step's decode rows up to `decode_run` times, feeding each row the 
 run before, and send every run's tokens back in one result. Each row's tokens are the ones single steps give (the
 same rows, positions and random streams); the run stops where the first row would pass its max_tokens or
 max_seq_len, and tokens a row sampled after its ending (end of sequence, a stop string) are dropped, as a late
-row of a pipelined step is.
+row of a pipelined step is. A request cancelled while its run is under way gets the run's first token, as it would
+from a single step, and no more; tokens applied before the cancellation stand (a request whose run reached its
+max_tokens before it was cancelled ends with "length").
 """
 
 from __future__ import annotations
@@ -177,9 +179,9 @@ class Scheduler:
         for d in step.decodes:
             r = owners[d.slot]
             r.pending -= step.repeat
-            for got in [result.slots[d.slot]] + [run[d.slot] for run in result.later]:
-                if r.finish_reason is not None:  # it ended on an earlier token: this row's later results are dropped
-                    break
+            for i, got in enumerate([result.slots[d.slot]] + [run[d.slot] for run in result.later]):
+                if r.finish_reason is not None or (i and r.cancelled.is_set()):
+                    break  # it ended on an earlier token, or was cancelled: this row's later results are dropped
                 self._emit(r, got, now, tokenizer)
         return self.release()
 

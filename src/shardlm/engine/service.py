@@ -278,7 +278,7 @@ class Engine:
 
     def _apply(self, step) -> None:
         """Wait for `step`'s result and hand it to the scheduler (streams tokens, retires finished requests)."""
-        self.scheduler.apply(step, self._receive_step(), self.tokenizer)
+        self.scheduler.apply(step, self._receive_step(step.repeat), self.tokenizer)
 
     def _drained(self) -> bool:
         return self._inbox.empty() and self.scheduler.idle()
@@ -291,10 +291,11 @@ class Engine:
         self._wake.set()
         return box.get(timeout=timeout)
 
-    def _receive_step(self):
-        """The step's result; the ranks' counters that arrive meanwhile go to the gathering under way."""
+    def _receive_step(self, runs: int = 1):
+        """The step's result; the ranks' counters that arrive meanwhile go to the gathering under way. A step of
+        `runs` decode runs may take that many times the timeout (`timeout_s` bounds a token, not a message)."""
         while True:
-            kind, rank, payload = self.group.receive(self.group.timeout_s)
+            kind, rank, payload = self.group.receive(self.group.timeout_s * runs)
             if kind == "stats":
                 self._gather.take(rank, payload)
             elif kind == "step":

@@ -158,7 +158,7 @@ class EngineCollector:
             g = GaugeMetricFamily(metric, doc, labels=["model_name"])
             g.add_metric(name, value)
             yield g
-        steps = CounterMetricFamily("shardlm_engine_steps", "Engine steps run.", labels=["model_name"])
+        steps = CounterMetricFamily("shardlm_engine_steps", "Engine steps run (a step may decode several tokens a row: serve --decode-run).", labels=["model_name"])
         steps.add_metric(name, st.steps)
         yield steps
 
