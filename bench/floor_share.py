@@ -1,0 +1,120 @@
+"""Batch-1 decode in-process against the read bandwidth of the same moment: is a format's step bound by memory?
+
+    python bench/floor_share.py [--formats int4,int8,float32,bfloat16] [--rounds 4] [--no-write]
+
+Per format, one process builds rank 0 of the bundled model's one-rank plan (int8/int4 with the int8 embedding) and
+times a SlotRunner with no engine around it: each round prefills a 40-token prompt, then decodes 128 greedy tokens in
+steps of 8 (contexts 40-168), with the read bandwidth (bench/decode_common.py's `sum()` over 512 MiB) measured right
+before and right after. A round's floor is the rank's resident weight bytes over the mean of the two bandwidths; its
+share is floor time / step time. A format whose share stays low while the bandwidth is high is bound by its kernels,
+not by memory; bench/decode.py's floor shares, taken through the engine, cannot tell the two apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+HEADING = "## Batch-1 decode in-process against the bandwidth of its moment (bench/floor_share.py)"
+
+
+def child(fmt: str, rounds: int) -> list[dict]:
+    """In a process of its own: each round's ms a token, bandwidth before and after, and weight bytes."""
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from decode_common import measure_bandwidth
+    from shardlm.bundled import default_model_dir
+    from shardlm.engine.session import model_ref
+    from shardlm.models.source import ModelSource
+    from shardlm.parallel.context import ParallelContext
+    from shardlm.plan.plan import KVBudget
+    from shardlm.plan.run import RunFlags, plan_for_run
+    from shardlm.runtime.build import build_rank_model
+    from shardlm.runtime.protocol import SamplingParams
+    from shardlm.runtime.serve_step import SlotRunner
+    from shardlm.runtime.work import Decode, Prefill, SlotStart, Step
+    from shardlm.runtime.worker import set_malloc
+
+    set_malloc(False)  # as a rank does first
+    torch.set_num_threads(os.cpu_count() or 1)
+    quant = fmt if fmt in ("int8", "int4") else "none"
+    flags = RunFlags(dtype="bfloat16" if fmt == "bfloat16" else "float32", quantization=quant,
+                     quantize_embedding=quant != "none")
+    source = ModelSource.open(str(default_model_dir(progress=False)))
+    plan = plan_for_run(model_ref(source), source.family, source.args, flags, KVBudget(2, 1024, 512))
+    rank = build_rank_model(plan.rank_spec(0), source, ParallelContext(), None, "cpu")
+    runner, greedy, prompt = SlotRunner(rank, ParallelContext()), SamplingParams(), tuple(range(100, 140))
+    out = []
+    for r in range(rounds + 1):  # round 0 warms up
+        runner.run(Step(0, (SlotStart(0, 0),), (Prefill(0, prompt, 0, True, greedy),), ()))
+        before = measure_bandwidth(512, 64, 6)["read"]
+        t0 = time.perf_counter()
+        for i in range(16):
+            runner.run(Step(1 + i, (), (), (Decode(0, None if i else 5, len(prompt) + 8 * i, greedy),), 8))
+        ms = (time.perf_counter() - t0) / 128 * 1e3
+        after = measure_bandwidth(512, 64, 6)["read"]
+        if r:
+            out.append({"ms": ms, "before": before, "after": after, "bytes": rank.resident_bytes()})
+    return out
+
+
+def share(r: dict) -> float:
+    """A round's floor time over its step time."""
+    return r["bytes"] / ((r["before"] + r["after"]) / 2 * 1e9) * 1e3 / r["ms"]
+
+
+def row(fmt: str, got: list[dict]) -> str:
+    """The table row of one format's rounds."""
+    ms = " / ".join("%.2f" % r["ms"] for r in got)
+    bw = " / ".join("%.0f-%.0f" % (r["before"], r["after"]) for r in got)
+    shares = " / ".join("%.0f %%" % (share(r) * 100) for r in got)
+    mid = statistics.median(share(r) for r in got) * 100
+    return f"| {fmt} | {got[0]['bytes'] / 1e6:.1f} | {ms} | {bw} | {shares} | {mid:.0f} % |"
+
+
+def main() -> None:
+    """Run each format in a child process, print the table, record it unless --no-write."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--formats", default="int4,int8,float32,bfloat16")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.rounds)))
+        return
+    sys.path.insert(0, str(BENCH))
+    from decode_common import machine_info, write_section
+
+    started = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    rows = ["| format | MB a token | ms a token (rounds) | read GB/s before / after (rounds) | share of the floor "
+            "(rounds) | median |", "|---|---|---|---|---|---|"]
+    for fmt in args.formats.split(","):
+        res = subprocess.run([sys.executable, __file__, "--child", fmt, "--rounds", str(args.rounds)],
+                             capture_output=True, text=True, timeout=900)
+        if res.returncode != 0:
+            raise SystemExit(f"{fmt} failed:\n{res.stderr[-3000:]}")
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        rows.append(row(fmt, got))
+        print(rows[-1], flush=True)
+    info = machine_info()
+    text = "\n".join([HEADING, "", f"Command: `python bench/floor_share.py --formats {args.formats} --rounds "
+                      f"{args.rounds}`. Date: {started}. Machine: {info['cpu']}, {info['cores']} cores, {info['ram']}; "
+                      f"torch {info['torch']}. In-process SlotRunner, batch 1, contexts 40-168, steps of 8 tokens.",
+                      "", *rows])
+    print(text)
+    if not args.no_write:
+        write_section(text, HEADING)
+
+
+if __name__ == "__main__":
+    main()
