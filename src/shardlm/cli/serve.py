@@ -75,9 +75,8 @@ def serve(
     except UserError as e:
         sock.close()
         fail(str(e))
-    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    engine = Engine(plan, source, Settings.from_env(log_level=level), max_queue=max_queue,
-                    decode_run=decode_run)
+    settings = Settings.from_env(log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+    engine = Engine(plan, source, settings, max_queue=max_queue, decode_run=decode_run)
     name = served_model_name or _model_name(source.folder)
     err.print(f"serving {name} on http://{host}:{port} (tp={plan.layout.tp} pp={plan.layout.pp}, "
               f"{plan.kv.max_batch} slots x {plan.kv.max_seq_len} tokens); loading...", highlight=False)
