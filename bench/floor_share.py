@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,31 +27,14 @@ HEADING = "## Batch-1 decode in-process against the bandwidth of its moment (ben
 
 def child(fmt: str, rounds: int) -> list[dict]:
     """In a process of its own: each round's ms a token, bandwidth before and after, and weight bytes."""
-    import torch
-
     sys.path.insert(0, str(BENCH))
     from decode_common import measure_bandwidth
-    from shardlm.bundled import default_model_dir
-    from shardlm.engine.session import model_ref
-    from shardlm.models.source import ModelSource
-    from shardlm.parallel.context import ParallelContext
-    from shardlm.plan.plan import KVBudget
-    from shardlm.plan.run import RunFlags, plan_for_run
-    from shardlm.runtime.build import build_rank_model
     from shardlm.runtime.protocol import SamplingParams
-    from shardlm.runtime.serve_step import SlotRunner
     from shardlm.runtime.work import Decode, Prefill, SlotStart, Step
-    from shardlm.runtime.worker import set_malloc
+    from step_vs_commit import one_rank_runner
 
-    set_malloc(False)  # as a rank does first
-    torch.set_num_threads(os.cpu_count() or 1)
-    quant = fmt if fmt in ("int8", "int4") else "none"
-    flags = RunFlags(dtype="bfloat16" if fmt == "bfloat16" else "float32", quantization=quant,
-                     quantize_embedding=quant != "none")
-    source = ModelSource.open(str(default_model_dir(progress=False)))
-    plan = plan_for_run(model_ref(source), source.family, source.args, flags, KVBudget(2, 1024, 512))
-    rank = build_rank_model(plan.rank_spec(0), source, ParallelContext(), None, "cpu")
-    runner, greedy, prompt = SlotRunner(rank, ParallelContext()), SamplingParams(), tuple(range(100, 140))
+    runner = one_rank_runner({"float32": "f32", "bfloat16": "bf16"}.get(fmt, fmt), 2)
+    greedy, prompt = SamplingParams(), tuple(range(100, 140))
     out = []
     for r in range(rounds + 1):  # round 0 warms up
         runner.run(Step(0, (SlotStart(0, 0),), (Prefill(0, prompt, 0, True, greedy),), ()))
@@ -63,7 +45,7 @@ def child(fmt: str, rounds: int) -> list[dict]:
         ms = (time.perf_counter() - t0) / 128 * 1e3
         after = measure_bandwidth(512, 64, 6)["read"]
         if r:
-            out.append({"ms": ms, "before": before, "after": after, "bytes": rank.resident_bytes()})
+            out.append({"ms": ms, "before": before, "after": after, "bytes": runner.rank.resident_bytes()})
     return out
 
 

@@ -31,8 +31,10 @@ PROMPT = (1, 504, 3458, 282, 260, 9193, 2377, 5981)
 """Eight token ids of the bundled model's vocabulary: every row's prompt."""
 
 
-def child(case: str, steps: int) -> dict:
-    """In the child: decode ms a step and 512-token prefill tok/s for `case`, with the shardlm on PYTHONPATH."""
+def one_rank_runner(fmt: str, slots: int):
+    """Rank 0 of the bundled model's one-rank plan as a rank builds it (its malloc settings first, where the tree has
+    them), in a SlotRunner with no engine: `fmt` f32, bf16, int8 or int4 (int8/int4 with the int8 embedding),
+    `slots` KV-cache slots of 1024 tokens. Threads: the machine's cores. Uses the shardlm on sys.path."""
     import torch
 
     from shardlm.bundled import default_model_dir
@@ -41,25 +43,29 @@ def child(case: str, steps: int) -> dict:
     from shardlm.parallel.context import ParallelContext
     from shardlm.plan.plan import KVBudget
     from shardlm.plan.run import RunFlags, plan_for_run
-    from shardlm.runtime.build import build_rank_model
-    from shardlm.runtime.protocol import SamplingParams
-    from shardlm.runtime.serve_step import SlotRunner
-    from shardlm.runtime.work import Decode, Prefill, SlotStart, Step
-
     from shardlm.runtime import worker
+    from shardlm.runtime.build import build_rank_model
+    from shardlm.runtime.serve_step import SlotRunner
 
     if hasattr(worker, "set_malloc"):  # as a rank does first (trees before it left glibc's thresholds moving)
         worker.set_malloc(False)
-    dtype, batch = case.split(":")
-    batch = int(batch)
-    quant = dtype if dtype in ("int8", "int4") else "none"
-    flags = RunFlags(dtype="bfloat16" if dtype == "bf16" else "float32", quantization=quant,
+    quant = fmt if fmt in ("int8", "int4") else "none"
+    flags = RunFlags(dtype="bfloat16" if fmt == "bf16" else "float32", quantization=quant,
                      quantize_embedding=quant != "none")
     torch.set_num_threads(os.cpu_count() or 1)
     source = ModelSource.open(str(default_model_dir(progress=False)))
-    plan = plan_for_run(model_ref(source), source.family, source.args, flags, KVBudget(max(batch, 2), 1024, 512))
-    runner = SlotRunner(build_rank_model(plan.rank_spec(0), source, ParallelContext(), None, "cpu"),
-                        ParallelContext())
+    plan = plan_for_run(model_ref(source), source.family, source.args, flags, KVBudget(max(slots, 2), 1024, 512))
+    return SlotRunner(build_rank_model(plan.rank_spec(0), source, ParallelContext(), None, "cpu"), ParallelContext())
+
+
+def child(case: str, steps: int) -> dict:
+    """In the child: decode ms a step and 512-token prefill tok/s for `case`, with the shardlm on PYTHONPATH."""
+    from shardlm.runtime.protocol import SamplingParams
+    from shardlm.runtime.work import Decode, Prefill, SlotStart, Step
+
+    fmt, batch = case.split(":")
+    batch = int(batch)
+    runner = one_rank_runner(fmt, batch)
     greedy = SamplingParams()
     runner.run(Step(0, tuple(SlotStart(s, 0) for s in range(batch)),
                     tuple(Prefill(s, PROMPT, 0, True, greedy) for s in range(batch)), ()))

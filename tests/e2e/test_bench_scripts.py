@@ -42,3 +42,26 @@ def test_few_rows_prints_both_kernels_with_the_same_bits():
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| 3 |") or line.startswith("| 20 |")]
     assert len(rows) == 2 and all(float(r[2]) > 0 and float(r[3]) > 0 and r[5].strip() == "yes" for r in rows), \
         out.stdout
+
+
+def test_decode_runs_compares_run_lengths_on_the_same_tokens():
+    """`bench/decode_runs.py` with runs of 1 and 4, int4, 1 round of 8 tokens: a table row with both run lengths and
+    their ratio (the script itself exits non-zero when a run length gives other tokens)."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_runs.py"), "--runs", "1,4", "--formats", "int4",
+                          "--rounds", "1", "--new-tokens", "8", "--no-write"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| int4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 4 and float(cells[1].split()[0]) > 0 and cells[3].endswith("x"), out.stdout
+
+
+def test_floor_share_reports_a_share_per_round():
+    """`bench/floor_share.py` for int4, 1 round: the weight bytes, the step time and a share of the floor."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "floor_share.py"), "--formats", "int4", "--rounds", "1",
+                          "--no-write"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| int4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) > 50 and float(cells[2]) > 0 and cells[5].endswith("%"), out.stdout
