@@ -177,16 +177,21 @@ class FusedStack:
         self._maps = [b.get("kv_map") for b in self._buffers]
         self._kernel = self.ops.DecodeStack(weights, scales, pads, biases, norms, eps, self._maps)
 
+    def current(self):
+        """The compiled stack, built (or rebuilt for a replaced KV map) as the blocks stand now; None when a block's
+        fused step was replaced (the blocks then run one by one)."""
+        if any(layer.decode_step is not step for layer, step in zip(self.layers, self.steps)):
+            return None
+        if self._kernel is None or any(b.get("kv_map") is not m for b, m in zip(self._buffers, self._maps)):
+            self._build()
+        return self._kernel
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                  cache) -> torch.Tensor | None:
         """x (b, 1, dim) through every block -> (b, 1, dim), writing each layer's cache; None when the call does
         not apply (the blocks then run one by one). Arguments as FusedDecode takes them."""
-        if any(layer.decode_step is not step for layer, step in zip(self.layers, self.steps)):
+        if not hasattr(cache, "k") or not self.steps[0].applies(x, mask, cache) or self.current() is None:
             return None
-        if not hasattr(cache, "k") or not self.steps[0].applies(x, mask, cache):
-            return None
-        if self._kernel is None or any(b.get("kv_map") is not m for b, m in zip(self._buffers, self._maps)):
-            self._build()
         cache.check_room(1)
         b, _, dim = x.shape
         _, _, rows, positions = cache.fused_target(self.ids[0])  # the kernel writes row j at its position

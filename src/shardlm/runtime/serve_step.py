@@ -21,6 +21,7 @@ import torch
 from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.stages import micro_batch_rows
 from shardlm.runtime.ahead import RunAhead
+from shardlm.runtime.greedy_run import GreedyRuns
 from shardlm.runtime.rank_model import RankModel
 from shardlm.runtime.slot_graphs import SlotGraphs, deterministic_attention
 from shardlm.runtime.slots import SlotCache, SlotRun
@@ -135,6 +136,8 @@ class SlotRunner:
             deterministic_attention()  # the same logits run to run and row to row (runtime/slot_graphs.py)
         self.ahead = RunAhead(self) if self.graphs is not None and rank.kernels.run_ahead else None
         """Greedy decode steps launched before the step ahead of them is read (runtime/ahead.py)."""
+        self.greedy = GreedyRuns.of(rank, self.cache, self.window)
+        """Runs of greedy decode tokens in one compiled call (runtime/greedy_run.py), where the rank takes them."""
         self._argmax = rank.ops.argmax_rows if rank.ops is not None and rank.device.type == "cpu" else _torch_argmax
         """Each row's argmax of float32 logits (b, vocab) -> (b,): the compiled kernels' (csrc/argmax.h: torch's
         result, in both threads), else torch's."""
@@ -156,14 +159,36 @@ class SlotRunner:
         later: list[dict[int, Sampled]] = []
         try:
             self._run_items(self._items(step), out)
-            for i in range(1, step.repeat):
-                mark = self._tick(mark)
-                later.append({})
-                self._run_items(self._decode_items(_moved(step.decodes, i)), later[-1])
+            mark = self._repeat(step, mark, later)
         finally:
             self.ctx.flush()
         seconds = self._tick(mark) - t0
         return StepResult(step.id, out, seconds, later) if self.reports else None
+
+    def _repeat(self, step: Step, mark: float, later: list[dict[int, Sampled]]) -> float:
+        """Runs 1 .. repeat - 1 of `step` into `later`: in one compiled call where the rows are greedy and the rank
+        takes it (runtime/greedy_run.py; the clock then counts each run as an equal share of it), else one by one.
+        Returns the clock's mark."""
+        decodes, runs = list(step.decodes), step.repeat - 1
+        if runs <= 0:
+            return mark
+        mark = self._tick(mark)  # run 0
+        greedy = self.greedy is not None and self.greedy.applies(decodes, runs)
+        tokens = self.greedy.tokens(decodes, runs, self.sampled) if greedy else None
+        if tokens is None:
+            for i in range(1, step.repeat):
+                mark = mark if i == 1 else self._tick(mark)
+                later.append({})
+                self._run_items(self._decode_items(_moved(decodes, i)), later[-1])
+            return mark
+        share = (time.perf_counter() - mark) / runs
+        for i, row in enumerate(tokens):
+            later.append({d.slot: Sampled(token=t) for d, t in zip(decodes, row)})
+            if i < runs - 1:  # the last run's share: the caller's final tick
+                self.clock.add(share)
+        for d, t in zip(decodes, tokens[-1]):
+            self.sampled[d.slot] = t
+        return time.perf_counter() - share
 
     def _tick(self, mark: float) -> float:
         """Count the run since `mark` in the clock; returns now."""

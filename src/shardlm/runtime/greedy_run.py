@@ -1,0 +1,119 @@
+"""Greedy decode runs of a one-rank CPU model in one compiled call (csrc/kernels.cpp: greedy_run).
+
+A step of several decode tokens (Step.repeat) took each token after the first through Python: the step's tensors
+(tokens, positions, the mask, the cache's run), the model's forward (embedding, rotary rows, the DecodeStack call, the
+final norm, the LM head) and the sampler. On the bundled int4 model that was about 0.4 ms of a 2.7 ms token, measured
+in-process: little of it arithmetic, most of it torch ops and Python run on caches the weights had just flushed (the
+final norm took 47-64 us right after the stack and 12 us when called again).
+
+The compiled run takes each greedy token through the same ops in the same order, and its rotary rows come from a
+table the same function (rope_cos_sin) computed for every position, so its tokens and the cache's contents are the
+Python path's bit for bit (tests/unit/test_greedy_run.py). It applies to a rank that holds the whole model on the
+CPU with the fused stack (tensor parallel 1, one stage), an int8 or plain embedding, an int8, int4 or plain head,
+and steps whose rows are all greedy without logprobs; anything else runs as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardlm.kernels.linear import GEMV_MAX_ROWS
+from shardlm.models.llama import RMSNorm, rope_cos_sin
+from shardlm.quant import Int4Weight, Int8Embedding, Int8Weight
+from shardlm.runtime.work import Decode
+
+TABLE_ALIGN = 32
+"""The rotary rows come from a table only where a row's head_dim values fill whole vector pairs of torch's elementwise
+cos and sin (16 lanes on AVX-512, 8 on AVX2): then no value of a step or of the table comes from the scalar tail, and
+the table's rows are the per-step values. Elsewhere each token runs rope_cos_sin's ops on the step's shapes."""
+TABLE_BLOCK = 16384
+"""Values of the table computed per call: below torch's parallel grain (32768), so no thread's share of a call
+starts inside a vector pair."""
+
+
+def rope_table(inv_freq: torch.Tensor, max_len: int, head_dim: int, dtype: torch.dtype):
+    """(cos, sin), each (max_len, head_dim) in `dtype`: rope_cos_sin's rows of every position, in blocks."""
+    rows = max(1, TABLE_BLOCK // head_dim)
+    cos, sin = [], []
+    for start in range(0, max_len, rows):
+        c, s = rope_cos_sin(inv_freq, torch.arange(start, min(max_len, start + rows))[:, None], dtype)  # (n, 1, 1, hd)
+        cos.append(c.reshape(-1, head_dim)), sin.append(s.reshape(-1, head_dim))
+    return torch.cat(cos).contiguous(), torch.cat(sin).contiguous()
+
+
+def _embedding(module: nn.Module, gm) -> bool:
+    """Fill gm's embedding fields from `module`; False when it is a kind the run does not take."""
+    if isinstance(module, Int8Embedding) and module.ctx is None and module.start == 0:
+        kw = module.kernel_weight
+        gm.embed_q, gm.embed_scale, gm.embed_width = kw.q, kw.scale, kw.in_features
+        return True
+    if type(module) is nn.Embedding and module.weight.is_contiguous():
+        gm.embed_weight = module.weight.detach()
+        return True
+    return False
+
+
+def _head(module: nn.Module, gm) -> bool:
+    """Fill gm's head fields from the LM head; False when it is a kind the run does not take."""
+    if getattr(module, "bias", None) is not None or getattr(module, "gemv", None) is None:
+        return False
+    kw = getattr(module, "kernel_weight", None)
+    if isinstance(kw, Int8Weight) and kw.gemv is not None:
+        gm.head_q, gm.head_scale, gm.head_exact = kw.q, kw.scale, kw.exact
+        return True
+    if isinstance(kw, Int4Weight) and kw.gemv is not None and not kw.packed.is_cuda:
+        gm.head4_codes, gm.head4_sz, gm.head4_pad_left, gm.head4_rows = kw.kernel_args()
+        gm.head_exact = kw.exact
+        return True
+    weight = getattr(module, "weight", None)
+    if kw is None and weight is not None and weight.is_contiguous() and weight.dtype in (torch.float32, torch.bfloat16):
+        gm.head_weight = weight.detach()
+        return True
+    return False
+
+
+class GreedyRuns:
+    """A SlotRunner's compiled greedy runs, when its rank can take them (`GreedyRuns.of`)."""
+
+    def __init__(self, ops, model: nn.Module, cache, window: int | None, gm):
+        self.ops, self.model, self.cache, self.window, self.gm = ops, model, cache, window, gm
+
+    @classmethod
+    def of(cls, rank, cache, window: int | None) -> "GreedyRuns | None":
+        """The runs for a rank (RankModel) and its SlotCache, or None where they do not apply."""
+        ops, model = rank.ops, rank.module
+        if ops is None or not hasattr(ops, "greedy_run") or rank.device.type != "cpu":
+            return None
+        if getattr(model, "decode_stack", None) is None or not (rank.spec.first_stage and rank.spec.last_stage):
+            return None
+        if type(model.model.norm) is not RMSNorm or model.model.embed_tokens is None or model.lm_head is None:
+            return None  # (the compiled run computes this RMSNorm's forward and no other)
+        gm = ops.GreedyModel()
+        if not _embedding(model.model.embed_tokens, gm) or not _head(model.lm_head, gm):
+            return None
+        hd = model.args.head_dim
+        gm.like, gm.inv_freq = torch.empty(0, dtype=rank.dtype), model.inv_freq.contiguous()
+        if hd % TABLE_ALIGN == 0:
+            gm.cos_table, gm.sin_table = rope_table(model.inv_freq, cache.max_len, hd, rank.dtype)
+        gm.norm_weight, gm.norm_eps = model.model.norm.weight.detach(), float(model.model.norm.eps)
+        return cls(ops, model, cache, window, gm)
+
+    def applies(self, decodes: list[Decode], runs: int) -> bool:
+        """Whether `runs` more tokens of these rows can run compiled: all greedy, no logprobs, few rows, room."""
+        return 0 < len(decodes) <= GEMV_MAX_ROWS and runs > 0 \
+            and all(d.params.temperature == 0 and d.logprobs is None for d in decodes) \
+            and max(d.position for d in decodes) + runs < self.cache.max_len
+
+    def tokens(self, decodes: list[Decode], runs: int, sampled: dict[int, int]) -> list[list[int]] | None:
+        """Tokens (runs, rows) of runs 1 .. runs of a step whose run 0 sampled `sampled`; None when the stack does not
+        take the call (a block's fused step replaced): the caller then runs the tokens one by one."""
+        kernel = self.model.decode_stack.current()
+        if kernel is None:
+            return None
+        slots = [d.slot for d in decodes]
+        caches = [(self.cache.k[i], self.cache.v[i]) for i in self.model.decode_stack.ids]
+        out = self.ops.greedy_run(kernel, self.gm, caches, torch.tensor([sampled[s] for s in slots]),
+                                  torch.tensor(slots), torch.tensor([d.position + 1 for d in decodes]),
+                                  self.window or 0, runs)  # (runs, rows)
+        return out.tolist()
