@@ -28,7 +28,8 @@ RUN, STEPS, PROMPT = 8, 16, 40
 
 
 def sample(runner, batch: int, compiled: bool, greedy_runs) -> tuple[float, list]:
-    """ms a token (decode steps only) and the tokens of `batch` rows through STEPS steps of RUN tokens."""
+    """ms a decode run (one token for each row; decode steps only) and the tokens of `batch` rows through STEPS steps
+    of RUN runs."""
     from shardlm.runtime.protocol import SamplingParams
     from shardlm.runtime.work import Decode, Prefill, SlotStart, Step
 
@@ -65,13 +66,14 @@ def measure(fmt: str, batches: list[int], rounds: int) -> dict:
                     raise SystemExit(f"{fmt} batch {b}: the tokens differ between samples")
                 got[b]["compiled" if compiled else "python"].append(ms)
             print(f"{fmt} batch {b} round {r + 1}/{rounds}: compiled {got[b]['compiled'][-1]:.3f}, "
-                  f"python {got[b]['python'][-1]:.3f} ms a token", flush=True)
+                  f"python {got[b]['python'][-1]:.3f} ms a run", flush=True)
     runner.greedy = greedy_runs
     return got
 
 
 def table(results: dict) -> list[str]:
-    rows = ["| format | batch | compiled: ms a token, median (min-max) | Python steps | compiled / Python |",
+    rows = ["| format | rows | compiled: ms a decode run (a token a row), median (min-max) | Python steps | "
+            "compiled / Python |",
             "|---|---|---|---|---|"]
     for fmt, by_batch in results.items():
         for b, got in by_batch.items():

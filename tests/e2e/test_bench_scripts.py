@@ -65,3 +65,15 @@ def test_floor_share_reports_a_share_per_round():
     row = next(line for line in out.stdout.splitlines() if line.startswith("| int4 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[1]) > 50 and float(cells[2]) > 0 and cells[5].endswith("%"), out.stdout
+
+
+def test_greedy_runs_compares_compiled_and_python_runs():
+    """`bench/greedy_runs.py` for int4 at 1 row, 1 round: a table row with both timings and their ratio (the script
+    itself exits non-zero when the two give other tokens)."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "greedy_runs.py"), "--formats", "int4", "--batches", "1",
+                          "--rounds", "1", "--no-write"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| int4 | 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[2].split()[0]) > 0 and float(cells[3].split()[0]) > 0 and float(cells[4]) > 0, out.stdout

@@ -18,15 +18,25 @@ from shardlm.models.llama import rope_cos_sin
 SLOTS, MAX_LEN, CHUNK = 3, 64, 16
 FORMATS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
            "int8": dict(quantization="int8", quantize_embedding=True),
-           "int4": dict(quantization="int4", quantize_embedding=True)}
+           "int4": dict(quantization="int4", quantize_embedding=True),
+           "int4, float embedding": dict(quantization="int4")}
 
 
 def _run(rank, compiled: bool, params, repeat: int = 6, steps: int = 3):
     """Prompts of 5, 9 and 3 tokens in three slots, then `steps` steps of `repeat` decode runs; every run's tokens
-    and the caches after."""
+    and the caches after. The runner counts its compiled calls (`runner.calls`)."""
     runner = SlotRunner(rank, ParallelContext())
+    runner.calls = 0
     if not compiled:
         runner.greedy = None
+    elif runner.greedy is not None:
+        compiled_tokens = runner.greedy.tokens
+
+        def counted(*args):
+            out = compiled_tokens(*args)
+            runner.calls += out is not None
+            return out
+        runner.greedy.tokens = counted
     prompts = [tuple(range(10, 15)), tuple(range(40, 49)), (7, 8, 9)]
     starts = tuple(SlotStart(s, s) for s in range(3))
     runner.run(Step(0, starts, tuple(Prefill(s, p, 0, True, params[s]) for s, p in enumerate(prompts)), ()))
@@ -53,7 +63,7 @@ def test_compiled_runs_equal_python_steps(name, fmt, random_dirs):
     rank = build(random_dirs[name], kv=KVBudget(SLOTS, MAX_LEN, CHUNK), **FORMATS[fmt])
     greedy = [SamplingParams()] * 3
     compiled = _run(rank, True, greedy)
-    assert compiled[2].greedy is not None, "the compiled run should take this model"
+    assert compiled[2].calls == 3, "the compiled run should take every step of this model"
     _assert_same(compiled, _run(rank, False, greedy))
 
 
@@ -63,8 +73,28 @@ def test_compiled_runs_equal_python_steps_on_the_bundled_model(fmt, bundled_dir)
     rank = build(bundled_dir, kv=KVBudget(SLOTS, MAX_LEN, CHUNK), **FORMATS[fmt])
     greedy = [SamplingParams()] * 3
     compiled = _run(rank, True, greedy, repeat=8)
-    assert compiled[2].greedy.gm.cos_table is not None
+    assert compiled[2].calls == 3 and compiled[2].greedy.gm.cos_table is not None
     _assert_same(compiled, _run(rank, False, greedy, repeat=8))
+
+
+def test_the_clock_counts_each_run_once_and_the_step_time(random_dirs):
+    """A compiled step of 6 runs adds 6 steps to the rank's clock, and their seconds are the step's."""
+    rank = build(random_dirs["gqa12x4"], kv=KVBudget(SLOTS, MAX_LEN, CHUNK))
+    runner = SlotRunner(rank, ParallelContext())
+    greedy = SamplingParams()
+    runner.run(Step(0, (SlotStart(0, 0),), (Prefill(0, (5, 6, 7), 0, True, greedy),), ()))
+    count, seconds = runner.clock.count, runner.clock.sum
+    res = runner.run(Step(1, (), (), (Decode(0, None, 3, greedy),), 6))
+    assert len(res.later) == 5 and runner.clock.count == count + 6
+    assert runner.clock.sum - seconds == pytest.approx(res.seconds, rel=1e-9, abs=1e-9)
+
+
+def test_a_run_may_end_on_the_caches_last_position(random_dirs):
+    """Runs up to position max_len - 1 are taken; one more is left to the Python steps (which name the limit)."""
+    rank = build(random_dirs["gqa12x4"], kv=KVBudget(SLOTS, MAX_LEN, CHUNK))
+    runner = SlotRunner(rank, ParallelContext())
+    assert runner.greedy.applies([Decode(0, 1, MAX_LEN - 5, SamplingParams())], 4)
+    assert not runner.greedy.applies([Decode(0, 1, MAX_LEN - 5, SamplingParams())], 5)
 
 
 def test_a_sampled_row_keeps_the_python_steps(random_dirs):
@@ -87,3 +117,34 @@ def test_the_rotary_table_rows_are_the_step_values(dtype):
     for rows in ([0], [1, 700, 1499], [5, 5, 900]):
         c, s = rope_cos_sin(inv_freq, torch.tensor(rows)[:, None], dtype)  # (b, 1, 1, hd)
         assert torch.equal(c.reshape(len(rows), hd), cos[rows]) and torch.equal(s.reshape(len(rows), hd), sin[rows])
+
+
+def test_python_threads_run_during_a_compiled_run(random_dirs):
+    """The compiled call lets go of the GIL: the rank's heartbeat thread keeps stamping through a long run (a run
+    holding it for longer than the driver's hang limit would get a healthy rank stopped)."""
+    import threading
+    import time
+
+    rank = build(random_dirs["gqa12x4"], kv=KVBudget(SLOTS, 1024, CHUNK))
+    runner = SlotRunner(rank, ParallelContext())
+    greedy = SamplingParams()
+    runner.run(Step(0, (SlotStart(0, 0),), (Prefill(0, (5, 6, 7), 0, True, greedy),), ()))
+    stamps, done = [], threading.Event()
+
+    def stamp():
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=stamp)
+    thread.start()
+    try:
+        t0 = time.perf_counter()
+        runner.run(Step(1, (), (), (Decode(0, None, 3, greedy),), 1000))  # ~70 ms of tokens in one call
+        took = time.perf_counter() - t0
+    finally:
+        done.set()
+        thread.join(timeout=10)
+    inside = [t for t in stamps if t0 <= t <= t0 + took]
+    gaps = [b - a for a, b in zip(inside, inside[1:])]
+    assert took > 0.01 and len(inside) > 3 and max(gaps) < took / 2, (took, len(inside), max(gaps, default=None))

@@ -260,8 +260,16 @@ static torch::Tensor greedy_logits(const GreedyModel& m, const torch::Tensor& h)
 torch::Tensor greedy_run(const shardlm::DecodeStack& stack, const GreedyModel& m,
                          const std::vector<std::pair<torch::Tensor, torch::Tensor>>& caches, torch::Tensor tokens,
                          torch::Tensor rows, torch::Tensor positions, int64_t window, int64_t n) {
-  TORCH_CHECK(tokens.dim() == 1 && rows.sizes() == tokens.sizes() && positions.sizes() == tokens.sizes() && n >= 0,
-              "greedy_run: tokens, rows and positions must be (b,) and n >= 0");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) > 0 && rows.sizes() == tokens.sizes() &&
+                  positions.sizes() == tokens.sizes() && n >= 0,
+              "greedy_run: tokens, rows and positions must be (b,) with b > 0, and n >= 0");
+  TORCH_CHECK(m.embed_q.has_value() + m.embed_weight.has_value() == 1 && m.embed_q.has_value() == m.embed_scale.has_value(),
+              "greedy_run: the model needs one embedding: int8 rows with their scales, or float rows");
+  TORCH_CHECK(m.head_q.has_value() + m.head4_codes.has_value() + m.head_weight.has_value() == 1 &&
+                  m.head_q.has_value() == m.head_scale.has_value() && m.head4_codes.has_value() == m.head4_sz.has_value(),
+              "greedy_run: the model needs one head: int8 codes with scales, int4 tiles, or float rows");
+  TORCH_CHECK(m.like.defined() && m.norm_weight.defined() && (m.cos_table.defined() || m.inv_freq.defined()),
+              "greedy_run: the model's dtype, final norm weight and rotary table or frequencies must be set");
   const int64_t b = tokens.size(0), max_len = caches.empty() ? 0 : caches[0].first.size(2);
   auto out = torch::empty({n, b}, torch::kLong);
   auto pos = positions.to(torch::kLong).contiguous().clone();
@@ -338,7 +346,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head4_pad_left", &GreedyModel::head4_pad_left)
       .def_readwrite("head4_rows", &GreedyModel::head4_rows)
       .def_readwrite("head_exact", &GreedyModel::head_exact);
+  // without the GIL: a run lasts many tokens, and the rank's heartbeat thread must go on stamping meanwhile
   m.def("greedy_run", &greedy_run, "greedy decode tokens of a one-rank model, each as a Python step computes it",
         py::arg("stack"), py::arg("model"), py::arg("caches"), py::arg("tokens"), py::arg("rows"), py::arg("positions"),
-        py::arg("window"), py::arg("n"));
+        py::arg("window"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
 }

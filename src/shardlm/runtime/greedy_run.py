@@ -25,11 +25,13 @@ from shardlm.runtime.work import Decode
 
 TABLE_ALIGN = 32
 """The rotary rows come from a table only where a row's head_dim values fill whole vector pairs of torch's elementwise
-cos and sin (16 lanes on AVX-512, 8 on AVX2): then no value of a step or of the table comes from the scalar tail, and
-the table's rows are the per-step values. Elsewhere each token runs rope_cos_sin's ops on the step's shapes."""
+cos and sin (16 lanes on AVX-512, 8 on AVX2), elsewhere from rope_cos_sin's own ops on each token's shapes. A guard,
+not a need shown here: torch 2.13 gave each element the same cos and sin wherever it sat in the tensor (a review
+checked its AVX-512, AVX2 and default kernels, shifted starts and 1-3 threads), but a build whose vector loop and scalar
+tail rounded differently would then still give a table row the step's values."""
 TABLE_BLOCK = 16384
-"""Values of the table computed per call: below torch's parallel grain (32768), so no thread's share of a call
-starts inside a vector pair."""
+"""Values of the table computed per call: below torch's parallel grain (32768), so every call runs on one thread from
+its first value, as a step's does (the same guard)."""
 
 
 def rope_table(inv_freq: torch.Tensor, max_len: int, head_dim: int, dtype: torch.dtype):
@@ -92,12 +94,16 @@ class GreedyRuns:
         gm = ops.GreedyModel()
         if not _embedding(model.model.embed_tokens, gm) or not _head(model.lm_head, gm):
             return None
-        hd = model.args.head_dim
         gm.like, gm.inv_freq = torch.empty(0, dtype=rank.dtype), model.inv_freq.contiguous()
-        if hd % TABLE_ALIGN == 0:
-            gm.cos_table, gm.sin_table = rope_table(model.inv_freq, cache.max_len, hd, rank.dtype)
         gm.norm_weight, gm.norm_eps = model.model.norm.weight.detach(), float(model.model.norm.eps)
         return cls(ops, model, cache, window, gm)
+
+    def _tables(self) -> None:
+        """The rotary table, built on the first run (a rank that never runs several tokens a step holds none)."""
+        hd = self.model.args.head_dim
+        if hd % TABLE_ALIGN == 0 and self.gm.cos_table is None:
+            self.gm.cos_table, self.gm.sin_table = rope_table(self.model.inv_freq, self.cache.max_len, hd,
+                                                              self.gm.like.dtype)
 
     def applies(self, decodes: list[Decode], runs: int) -> bool:
         """Whether `runs` more tokens of these rows can run compiled: all greedy, no logprobs, few rows, room."""
@@ -108,12 +114,14 @@ class GreedyRuns:
     def tokens(self, decodes: list[Decode], runs: int, sampled: dict[int, int]) -> list[list[int]] | None:
         """Tokens (runs, rows) of runs 1 .. runs of a step whose run 0 sampled `sampled`; None when the stack does not
         take the call (a block's fused step replaced): the caller then runs the tokens one by one."""
-        kernel = self.model.decode_stack.current()
+        stack = self.model.decode_stack
+        kernel = stack.current() if stack is not None else None
         if kernel is None:
             return None
+        self._tables()
         slots = [d.slot for d in decodes]
-        caches = [(self.cache.k[i], self.cache.v[i]) for i in self.model.decode_stack.ids]
-        out = self.ops.greedy_run(kernel, self.gm, caches, torch.tensor([sampled[s] for s in slots]),
+        caches = [(self.cache.k[i], self.cache.v[i]) for i in stack.ids]
+        out = stack.ops.greedy_run(kernel, self.gm, caches, torch.tensor([sampled[s] for s in slots]),
                                   torch.tensor(slots), torch.tensor([d.position + 1 for d in decodes]),
                                   self.window or 0, runs)  # (runs, rows)
         return out.tolist()

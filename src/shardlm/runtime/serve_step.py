@@ -181,14 +181,15 @@ class SlotRunner:
                 later.append({})
                 self._run_items(self._decode_items(_moved(decodes, i)), later[-1])
             return mark
-        share = (time.perf_counter() - mark) / runs
+        now = time.perf_counter()
+        share = (now - mark) / runs
         for i, row in enumerate(tokens):
             later.append({d.slot: Sampled(token=t) for d, t in zip(decodes, row)})
-            if i < runs - 1:  # the last run's share: the caller's final tick
+            if i < runs - 1:  # the last run's share: the caller's final tick, which also counts the time from `now`
                 self.clock.add(share)
         for d, t in zip(decodes, tokens[-1]):
             self.sampled[d.slot] = t
-        return time.perf_counter() - share
+        return now - share
 
     def _tick(self, mark: float) -> float:
         """Count the run since `mark` in the clock; returns now."""
