@@ -10,9 +10,10 @@ Measured per round, systems in a rotating order so that load from other processe
   decode tokens/s at batch 1 and batch 8 (prompts of PROMPT_LEN tokens, --new-tokens new tokens each,
   EOS disabled so every row runs every step), prefill tokens/s of a PREFILL_LEN-token prompt at batch 1,
   and the memory bandwidth of this process on the same threads (a sum over a buffer far larger than the
-  caches, and a copy counted as bytes read), taken right before and right after shardlm tp1's batch-1
-  decode sample: this VM's bandwidth moves by up to 2x from one second to the next (33 <-> 60 GB/s
-  seen), so each round's decode is compared with the floor of its own moment. Tables report the median over rounds (min-max beside it).
+  caches, and a copy counted as bytes read), taken right before and right after each shardlm tp 1 batch-1
+  decode sample (float32, bfloat16, int8, int4): this VM's bandwidth moves by up to 2x from one second to the next
+  (33 <-> 60 GB/s seen), so each sample is compared with the floor of its own moment. Tables report the median over
+  rounds (min-max beside it).
 
 Decode time, defined the same way for both:
   shardlm: GenerateResult.decode_s, timed on rank 0 from after the prefill forward to the last token,
@@ -50,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_common import (QUIET_BUDGET_S, RESULTS, QuietGate, Sample, machine_info, measure_bandwidth,  # noqa: E402
                            uptime, write_section)
-from decode_report import HEADING, PAIRED, collect_notes, markdown, print_tables, summarize  # noqa: E402
+from decode_report import HEADING, OWN_FLOOR, PAIRED, collect_notes, markdown, print_tables, summarize  # noqa: E402
 import llamacpp  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from shardlm.bundled import default_model_dir
@@ -241,16 +242,19 @@ def run_rounds(systems, work: Workload, rounds: int, new: int, gate: QuietGate, 
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for system in order:
             for metric in system.metrics:
-                paired = (system.label, metric) == PAIRED  # the floor of this very sample: the VM's memory
-                before = _bandwidth(gate, r, rounds, say, "before") if paired else None  # bandwidth moves
+                paired = (system.label, metric) == PAIRED  # the round's floor (float32, tp 1)
+                own = metric == "decode_b1" and system.label in OWN_FLOOR  # the floor of this very sample: the
+                before = _bandwidth(gate, r, rounds, say, "before") if own else None  # VM's memory bandwidth moves
                 share, (value, extra) = gate.measure(lambda: run_metric(system, metric, work, new))  # by seconds
-                samples.setdefault((system.label, metric), []).append(Sample(value, share, extra))
                 say(f"round {r + 1}/{rounds}  {system.label:<22} {metric:<11} {value:8.1f} tok/s  "
                     f"(other processes: {share:.0%} of the cores; waited/discarded {gate.waited_s:.0f} s so far)")
-                if paired:
+                if own:
                     after = _bandwidth(gate, r, rounds, say, "after")
+                    extra["read"] = (before["read"] + after["read"]) / 2
+                if paired:
                     bandwidth.append({k: (before[k] + after[k]) / 2 for k in after} |
                                      {"spread": (before["read"], after["read"])})
+                samples.setdefault((system.label, metric), []).append(Sample(value, share, extra))
         if len(bandwidth) == r:  # no tp1 batch-1 sample this round
             bandwidth.append(_bandwidth(gate, r, rounds, say))
     return samples, bandwidth
