@@ -306,10 +306,11 @@ def test_a_decode_run_out_of_range_is_refused():
     assert res.returncode == 2 and "--decode-run" in res.stderr and "1" in res.stderr, res.stderr
 
 
-# tp 3 and tp 2 x pp 2 with steps of several decode tokens (--decode-run; pipeline stages run one token a step)
+# tp 3 and tp 2 x pp 2 with steps of several decode tokens (--decode-run; pipeline stages run one token a step); tp 1
+# with runs of 8, which its rank takes in one compiled call for greedy rows (runtime/greedy_run.py)
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "3", "--decode-run", "4"],
-                                    ["--tp", "2", "--pp", "2", "--decode-run", "4"]],
-                         ids=["tp2", "tp3-run4", "tp2xpp2"])
+                                    ["--tp", "2", "--pp", "2", "--decode-run", "4"], ["--tp", "1", "--decode-run", "8"]],
+                         ids=["tp2", "tp3-run4", "tp2xpp2", "tp1-run8"])
 def test_sharded_servers_equal_transformers(bundled_dir, hf_greedy, layout):
     with Server(*layout, "--max-batch", "4", "--max-seq-len", "128") as s:
         client = s.client()
