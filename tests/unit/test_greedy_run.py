@@ -77,6 +77,17 @@ def test_compiled_runs_equal_python_steps_on_the_bundled_model(fmt, bundled_dir)
     _assert_same(compiled, _run(rank, False, greedy, repeat=8))
 
 
+@pytest.mark.parametrize("name", ["qwen2", "mistral_window"])
+def test_single_steps_are_compiled_alike(name, random_dirs):
+    """Steps of one run (a server's default) of greedy decode rows only: one compiled call a step, the same tokens
+    and cache as the Python steps; a step with a prompt keeps the Python step for its first run."""
+    rank = build(random_dirs[name], kv=KVBudget(SLOTS, MAX_LEN, CHUNK), quantization="int8", quantize_embedding=True)
+    greedy = [SamplingParams()] * 3
+    compiled = _run(rank, True, greedy, repeat=1, steps=10)
+    assert compiled[2].calls == 10
+    _assert_same(compiled, _run(rank, False, greedy, repeat=1, steps=10))
+
+
 def test_the_clock_counts_each_run_once_and_the_step_time(random_dirs):
     """A compiled step of 6 runs adds 6 steps to the rank's clock, and their seconds are the step's."""
     rank = build(random_dirs["gqa12x4"], kv=KVBudget(SLOTS, MAX_LEN, CHUNK))
@@ -93,8 +104,9 @@ def test_a_run_may_end_on_the_caches_last_position(random_dirs):
     """Runs up to position max_len - 1 are taken; one more is left to the Python steps (which name the limit)."""
     rank = build(random_dirs["gqa12x4"], kv=KVBudget(SLOTS, MAX_LEN, CHUNK))
     runner = SlotRunner(rank, ParallelContext())
-    assert runner.greedy.applies([Decode(0, 1, MAX_LEN - 5, SamplingParams())], 4)
-    assert not runner.greedy.applies([Decode(0, 1, MAX_LEN - 5, SamplingParams())], 5)
+    assert runner.greedy.applies([Decode(0, 1, MAX_LEN - 5, SamplingParams())], 1, 4)
+    assert not runner.greedy.applies([Decode(0, 1, MAX_LEN - 5, SamplingParams())], 1, 5)
+    assert runner.greedy.applies([Decode(0, 1, MAX_LEN - 5, SamplingParams())], 0, 5)
 
 
 def test_a_sampled_row_keeps_the_python_steps(random_dirs):
@@ -102,9 +114,9 @@ def test_a_sampled_row_keeps_the_python_steps(random_dirs):
     rank = build(random_dirs["gqa12x4"], kv=KVBudget(SLOTS, MAX_LEN, CHUNK))
     params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams()]
     runner = SlotRunner(rank, ParallelContext())
-    assert not runner.greedy.applies([Decode(s, 1, 4, params[s]) for s in range(3)], 4)
-    assert not runner.greedy.applies([Decode(0, 1, 4, SamplingParams(), 2)], 4)  # logprobs asked
-    assert not runner.greedy.applies([Decode(0, 1, MAX_LEN - 2, SamplingParams())], 4)  # past the cache
+    assert not runner.greedy.applies([Decode(s, 1, 4, params[s]) for s in range(3)], 1, 4)
+    assert not runner.greedy.applies([Decode(0, 1, 4, SamplingParams(), 2)], 1, 4)  # logprobs asked
+    assert not runner.greedy.applies([Decode(0, 1, MAX_LEN - 2, SamplingParams())], 1, 4)  # past the cache
     _assert_same(_run(rank, True, params), _run(rank, False, params))
 
 

@@ -105,19 +105,20 @@ def test_a_rank_without_shared_prefill_keeps_each_prompts_cache_its_own(random_d
 
 
 def _decode_logits(runner: SlotRunner, slots: list[int], tokens: dict, positions: dict, step_id: int):
-    """One decode step of `slots`; each row's logits (vocab,), captured where the runner samples."""
+    """One decode step of `slots`; each row's logits (vocab,), captured where the runner samples (the Python step:
+    a compiled greedy run, runtime/greedy_run.py, keeps its logits to itself)."""
     got = []
-    sample = runner._sample
+    sample, greedy = runner._sample, runner.greedy
 
     def capture(item, logits):
         got.append(logits[:, -1].clone())
         return sample(item, logits)
 
-    runner._sample = capture
+    runner._sample, runner.greedy = capture, None
     try:
         runner.run(Step(step_id, (), (), tuple(Decode(s, tokens[s], positions[s], GREEDY) for s in slots)))
     finally:
-        runner._sample = sample
+        runner._sample, runner.greedy = sample, greedy
     return {s: row for s, row in zip(slots, torch.cat(got))}
 
 

@@ -10,7 +10,9 @@ The compiled run takes each greedy token through the same ops in the same order,
 table the same function (rope_cos_sin) computed for every position, so its tokens and the cache's contents are the
 Python path's bit for bit (tests/unit/test_greedy_run.py). It applies to a rank that holds the whole model on the
 CPU with the fused stack (tensor parallel 1, one stage), an int8 or plain embedding, an int8, int4 or plain head,
-and steps whose rows are all greedy without logprobs; anything else runs as before.
+and steps whose rows are all greedy without logprobs; anything else runs as before. A step of decode rows only
+takes every run in the call, its first included (a server's single steps too); a step with prompts takes the runs
+after its first.
 """
 
 from __future__ import annotations
@@ -105,23 +107,24 @@ class GreedyRuns:
             self.gm.cos_table, self.gm.sin_table = rope_table(self.model.inv_freq, self.cache.max_len, hd,
                                                               self.gm.like.dtype)
 
-    def applies(self, decodes: list[Decode], runs: int) -> bool:
-        """Whether `runs` more tokens of these rows can run compiled: all greedy, no logprobs, few rows, room."""
+    def applies(self, decodes: list[Decode], first: int, runs: int) -> bool:
+        """Whether runs first .. first + runs - 1 of these rows (run i feeding row d at d.position + i) can run
+        compiled: all greedy, no logprobs, few rows, room in the cache."""
         return 0 < len(decodes) <= GEMV_MAX_ROWS and runs > 0 \
             and all(d.params.temperature == 0 and d.logprobs is None for d in decodes) \
-            and max(d.position for d in decodes) + runs < self.cache.max_len
+            and max(d.position for d in decodes) + first + runs - 1 < self.cache.max_len
 
-    def tokens(self, decodes: list[Decode], runs: int, sampled: dict[int, int]) -> list[list[int]] | None:
-        """Tokens (runs, rows) of runs 1 .. runs of a step whose run 0 sampled `sampled`; None when the stack does not
-        take the call (a block's fused step replaced): the caller then runs the tokens one by one."""
+    def tokens(self, decodes: list[Decode], feeds: list[int], first: int, runs: int) -> list[list[int]] | None:
+        """Tokens (runs, rows) of runs first .. first + runs - 1, feeding row j `feeds[j]` at its position + first;
+        None when the stack does not take the call (a block's fused step replaced): the caller then runs the tokens one
+        by one."""
         stack = self.model.decode_stack
         kernel = stack.current() if stack is not None else None
         if kernel is None:
             return None
         self._tables()
-        slots = [d.slot for d in decodes]
         caches = [(self.cache.k[i], self.cache.v[i]) for i in stack.ids]
-        out = stack.ops.greedy_run(kernel, self.gm, caches, torch.tensor([sampled[s] for s in slots]),
-                                  torch.tensor(slots), torch.tensor([d.position + 1 for d in decodes]),
-                                  self.window or 0, runs)  # (runs, rows)
+        out = stack.ops.greedy_run(kernel, self.gm, caches, torch.tensor(feeds), torch.tensor([d.slot for d in decodes]),
+                                   torch.tensor([d.position + first for d in decodes]), self.window or 0,
+                                   runs)  # (runs, rows)
         return out.tolist()

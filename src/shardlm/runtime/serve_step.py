@@ -158,8 +158,12 @@ class SlotRunner:
         out: dict[int, Sampled] = {}
         later: list[dict[int, Sampled]] = []
         try:
-            self._run_items(self._items(step), out)
-            mark = self._repeat(step, mark, later)
+            tokens = self._compiled(step)
+            if tokens is not None:  # every run of a step of greedy decode rows, in one call
+                mark = self._spread(list(step.decodes), tokens, mark, out, later)
+            else:
+                self._run_items(self._items(step), out)
+                mark = self._repeat(step, mark, later)
         finally:
             self.ctx.flush()
         seconds = self._tick(mark) - t0
@@ -173,19 +177,40 @@ class SlotRunner:
         if runs <= 0:
             return mark
         mark = self._tick(mark)  # run 0
-        greedy = self.greedy is not None and self.greedy.applies(decodes, runs)
-        tokens = self.greedy.tokens(decodes, runs, self.sampled) if greedy else None
+        greedy = self.greedy is not None and self.greedy.applies(decodes, 1, runs)
+        tokens = self.greedy.tokens(decodes, [self.sampled[d.slot] for d in decodes], 1, runs) if greedy else None
         if tokens is None:
             for i in range(1, step.repeat):
                 mark = mark if i == 1 else self._tick(mark)
                 later.append({})
                 self._run_items(self._decode_items(_moved(decodes, i)), later[-1])
             return mark
+        return self._spread(decodes, tokens, mark, None, later)
+
+    def _compiled(self, step: Step) -> list[list[int]] | None:
+        """Every run's tokens (repeat, rows) of a step of greedy decode rows only, from one compiled call; None where
+        the step has prompts or slots to start, or the rank or the rows do not take the call."""
+        if self.greedy is None or step.starts or step.prefills or not step.decodes:
+            return None
+        decodes = list(step.decodes)
+        if not self.greedy.applies(decodes, 0, step.repeat):
+            return None
+        return self.greedy.tokens(decodes, [self.fed_token(d) for d in decodes], 0, step.repeat)
+
+    def _spread(self, decodes: list[Decode], tokens: list[list[int]], mark: float, out: dict[int, Sampled] | None,
+                later: list[dict[int, Sampled]]) -> float:
+        """A compiled call's tokens (runs, rows) as the Python runs would have left them: the first run into `out`
+        (when given) and the others into `later`, each slot's last sample kept; the clock counts each run as an equal
+        share of the call (the last one by the caller's final tick). Returns the clock's mark."""
         now = time.perf_counter()
-        share = (now - mark) / runs
+        share = (now - mark) / len(tokens)
         for i, row in enumerate(tokens):
-            later.append({d.slot: Sampled(token=t) for d, t in zip(decodes, row)})
-            if i < runs - 1:  # the last run's share: the caller's final tick, which also counts the time from `now`
+            got = {d.slot: Sampled(token=t) for d, t in zip(decodes, row)}
+            if i == 0 and out is not None:
+                out.update(got)
+            else:
+                later.append(got)
+            if i < len(tokens) - 1:  # the last run's share: the caller's final tick, which also counts from `now`
                 self.clock.add(share)
         for d, t in zip(decodes, tokens[-1]):
             self.sampled[d.slot] = t
