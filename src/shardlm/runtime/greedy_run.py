@@ -80,8 +80,8 @@ def _head(module: nn.Module, gm) -> bool:
 class GreedyRuns:
     """A SlotRunner's compiled greedy runs, when its rank can take them (`GreedyRuns.of`)."""
 
-    def __init__(self, ops, model: nn.Module, cache, window: int | None, gm):
-        self.ops, self.model, self.cache, self.window, self.gm = ops, model, cache, window, gm
+    def __init__(self, model: nn.Module, cache, window: int | None, gm):
+        self.model, self.cache, self.window, self.gm = model, cache, window, gm
 
     @classmethod
     def of(cls, rank, cache, window: int | None) -> "GreedyRuns | None":
@@ -98,7 +98,7 @@ class GreedyRuns:
             return None
         gm.like, gm.inv_freq = torch.empty(0, dtype=rank.dtype), model.inv_freq.contiguous()
         gm.norm_weight, gm.norm_eps = model.model.norm.weight.detach(), float(model.model.norm.eps)
-        return cls(ops, model, cache, window, gm)
+        return cls(model, cache, window, gm)
 
     def _tables(self) -> None:
         """The rotary table, built on the first run (a rank that never runs several tokens a step holds none)."""
@@ -116,8 +116,10 @@ class GreedyRuns:
 
     def tokens(self, decodes: list[Decode], feeds: list[int], first: int, runs: int) -> list[list[int]] | None:
         """Tokens (runs, rows) of runs first .. first + runs - 1, feeding row j `feeds[j]` at its position + first;
-        None when the stack does not take the call (a block's fused step replaced): the caller then runs the tokens one
-        by one."""
+        None when the rows (`applies`) or the stack (a block's fused step replaced) do not take the call: the caller
+        then runs the tokens one by one."""
+        if not self.applies(decodes, first, runs):
+            return None
         stack = self.model.decode_stack
         kernel = stack.current() if stack is not None else None
         if kernel is None:

@@ -177,7 +177,7 @@ class SlotRunner:
         if runs <= 0:
             return mark
         mark = self._tick(mark)  # run 0
-        greedy = self.greedy is not None and self.greedy.applies(decodes, 1, runs)
+        greedy = self.greedy is not None and all(d.slot in self.sampled for d in decodes)
         tokens = self.greedy.tokens(decodes, [self.sampled[d.slot] for d in decodes], 1, runs) if greedy else None
         if tokens is None:
             for i in range(1, step.repeat):
@@ -193,8 +193,6 @@ class SlotRunner:
         if self.greedy is None or step.starts or step.prefills or not step.decodes:
             return None
         decodes = list(step.decodes)
-        if not self.greedy.applies(decodes, 0, step.repeat):
-            return None
         return self.greedy.tokens(decodes, [self.fed_token(d) for d in decodes], 0, step.repeat)
 
     def _spread(self, decodes: list[Decode], tokens: list[list[int]], mark: float, out: dict[int, Sampled] | None,
