@@ -217,11 +217,11 @@ and gate/up as separate products; compiled, the step compiled before capture (SH
 max-autotune-no-cudagraphs mode on a GPU); compiled-default-mode, compiled in Inductor's default mode; compiled-cdt,
 the shipped mode plus coordinate-descent tuning (CDT); compiled-aten-mm and compiled-triton-mm, the products on
 cuBLAS or on Inductor's templates only; gemv and compiled-gemv, batch-1 decode blocks as shardlm's Triton GEMV
-kernels with the norms, gating and residual adds inside and attention as one kernel (SHARDLM_CUDA_GEMV=1),
-uncompiled and compiled; compiled-gemv-sdpa, the same with the module path's attention; compiled-gemv-nopdl,
+kernels with the norms, gating and residual adds inside and attention as one kernel (SHARDLM_CUDA_GEMV=1 as first
+measured), uncompiled and compiled; compiled-gemv-sdpa, the same with the module path's attention; compiled-gemv-nopdl,
 each kernel launched after the one before it ends (no programmatic dependent launch); compiled-gemv-split, with
 attention split over the keys (kernels/cuda_attention_split.py); compiled-gemv-split-argmax and gemv-split-argmax,
-also greedy tokens by kernels/cuda_argmax.py; engine and engine-eager, the engine's path (`shardlm generate`
+also greedy tokens by kernels/cuda_argmax.py (what SHARDLM_CUDA_GEMV=1 runs now, compiled and not); engine and engine-eager, the engine's path (`shardlm generate`
 and `serve`: a rank process) with and without its CUDA graphs; engine-no-ahead, reading each step's tokens before
 launching the next (SHARDLM_CUDA_AHEAD=0); engine-b8, engine-eager-b8 and engine-no-ahead-b8, the same with 8 copies
 of the prompt in one batch (tok/s counts every row)."""

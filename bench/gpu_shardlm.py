@@ -39,7 +39,9 @@ class Shardlm:
             for layer in self.model.module.model.layers.values():
                 layer.gemv_attention = False
             self.kernels += " (SDPA attention)"
-        if argmax and self.model.graphs is not None:  # a bench-only experiment: greedy tokens by kernels/cuda_argmax.py
+        if gemv and not argmax:  # the GEMV blocks as first measured: greedy tokens by the step's own argmax
+            self.model.module.greedy_pick = None
+        elif argmax and self.model.graphs is not None:  # greedy tokens by kernels/cuda_argmax.py
             self.model.graphs.model.greedy_pick = cuda_argmax.greedy_pick
         graphs = self.model.graphs
         if compile_mode and graphs is not None:  # a bench-only experiment: another Inductor mode

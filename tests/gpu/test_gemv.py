@@ -137,12 +137,15 @@ def _count_launches(monkeypatch) -> dict:
 @pytest.mark.parametrize("heads,kv_heads,hd,length,filled", [(32, 8, 64, 256, 168), (12, 4, 8, 64, 30),
                                                              (8, 2, 16, 130, 129), (5, 5, 32, 64, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_kernel_attention_is_rotary_the_cache_write_and_sdpa(heads, kv_heads, hd, length, filled, dtype):
-    """kernels/cuda_attention.py against the module path: the rotated key and the value land at the slot (equal
-    bits), and the output matches SDPA over the masked cache."""
+@pytest.mark.parametrize("split", [False, True])
+def test_one_kernel_attention_is_rotary_the_cache_write_and_sdpa(heads, kv_heads, hd, length, filled, dtype, split,
+                                                                  monkeypatch):
+    """kernels/cuda_attention.py, one program a KV head or split over the keys, against the module path: the rotated
+    key and the value land at the slot (equal bits), and the output matches SDPA over the masked cache."""
     from shardlm.kernels import cuda_attention
     from shardlm.models.llama import apply_rope, grouped_attention, rope_cos_sin
 
+    monkeypatch.setattr(cuda_attention, "SPLIT", split)
     g = torch.Generator(device="cuda").manual_seed(length)
     qkv = torch.randn((heads + 2 * kv_heads) * hd, device="cuda", dtype=dtype, generator=g)
     caches = [torch.randn(1, kv_heads, length, hd, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
@@ -175,7 +178,7 @@ def test_one_kernel_attention_is_rotary_the_cache_write_and_sdpa(heads, kv_heads
 @pytest.mark.parametrize("heads,kv_heads,hd,length,filled", [(32, 8, 64, 256, 168), (12, 4, 8, 64, 30),
                                                              (6, 2, 16, 1024, 700), (6, 2, 16, 1024, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_attention_is_the_one_pass_kernel(heads, kv_heads, hd, length, filled, dtype):
+def test_split_attention_is_the_one_pass_kernel(heads, kv_heads, hd, length, filled, dtype, monkeypatch):
     """kernels/cuda_attention_split.py against the one-program-a-KV-head kernel: the same cache writes (equal bits)
     and the same output within the dtype's rounding (the splits' sums are added in another order)."""
     from shardlm.kernels import cuda_attention
@@ -190,11 +193,8 @@ def test_split_attention_is_the_one_pass_kernel(heads, kv_heads, hd, length, fil
     outs, caches = [], []
     for split in (False, True):
         k_cache, v_cache = (c.clone() for c in cache)
-        cuda_attention.SPLIT = split
-        try:
-            outs.append(cuda_attention.launch(qkv, cos, sin, k_cache, v_cache, slot, mask, heads).double())
-        finally:
-            cuda_attention.SPLIT = False
+        monkeypatch.setattr(cuda_attention, "SPLIT", split)
+        outs.append(cuda_attention.launch(qkv, cos, sin, k_cache, v_cache, slot, mask, heads).double())
         caches.append((k_cache, v_cache))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
@@ -221,14 +221,15 @@ def test_greedy_argmax_is_torch_argmax():
 
 
 def test_split_attention_and_greedy_argmax_keep_the_tokens(random_dirs, monkeypatch):
-    """The GEMV blocks with the split attention and the argmax kernel give the graph path's greedy tokens
-    (float32, uncompiled)."""
+    """The GEMV blocks with their defaults, the split attention and the argmax kernel, give the graph path's greedy
+    tokens (float32, uncompiled, a prompt past one split of keys)."""
     from shardlm.kernels import cuda_argmax, cuda_attention
 
     folder = random_dirs["gqa12x4"]
     plain = build(folder, device="cuda:0", settings=Settings.from_env())
     model = build(folder, device="cuda:0", settings=Settings.from_env(cuda_gemv=True))
-    model.graphs.model.greedy_pick = cuda_argmax.greedy_pick
+    assert cuda_attention.SPLIT and model.graphs.model.greedy_pick is cuda_argmax.greedy_pick
+    assert getattr(plain.graphs.model, "greedy_pick", None) is None
     picked = {"n": 0}
     real = cuda_argmax.launch
 
@@ -237,12 +238,8 @@ def test_split_attention_and_greedy_argmax_keep_the_tokens(random_dirs, monkeypa
         return real(*a, **k)
     monkeypatch.setattr(cuda_argmax, "launch", counted)
     g = torch.Generator().manual_seed(5)
-    cuda_attention.SPLIT = True
-    try:
-        for n in (21, 90):
-            prompt = [torch.randint(3, model.args.vocab_size, (n,), generator=g).tolist()]
-            want = generate(plain, Batch.from_lists(prompt), 40, SamplingParams(), ())
-            assert generate(model, Batch.from_lists(prompt), 40, SamplingParams(), ()) == want, n
-    finally:
-        cuda_attention.SPLIT = False
+    for n in (21, 90):
+        prompt = [torch.randint(3, model.args.vocab_size, (n,), generator=g).tolist()]
+        want = generate(plain, Batch.from_lists(prompt), 40, SamplingParams(), ())
+        assert generate(model, Batch.from_lists(prompt), 40, SamplingParams(), ()) == want, n
     assert picked["n"] >= 1  # captured once a graph

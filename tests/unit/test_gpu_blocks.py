@@ -40,6 +40,7 @@ def test_blocks_apply_only_to_joined_gpu_layers(tmp_path):
     join_projections(rank.module)
     assert not gpu_blocks.eligible(layer)  # joined, but on the CPU
     assert gpu_blocks.install_gemv_blocks(rank.module) == 0 and layer.decode_step is None
+    assert getattr(rank.module, "greedy_pick", None) is None  # the argmax kernel comes only with the blocks
 
 
 def test_one_kernel_attention_needs_a_captured_steps_cache(tmp_path):

@@ -21,8 +21,10 @@ from shardlm.kernels.cuda_gemv import next_power_of_2
 
 BLOCK_L = 64
 """Keys a loop step reads."""
-SPLIT = False
-"""Run kernels/cuda_attention_split.py's two kernels over splits of the keys instead (not yet measured on a GPU)."""
+SPLIT = True
+"""Run kernels/cuda_attention_split.py's two kernels over splits of the keys (the default: on an H200 they took a
+Llama-3.2-1B compiled GEMV step from 1089.7 to 1182.0 tok/s, bench/RESULTS.md 2026-11-27 16:40); False: this module's
+one program a KV head."""
 
 
 def _kernel():

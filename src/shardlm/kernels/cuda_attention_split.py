@@ -7,7 +7,7 @@ unnormalized output, float32); a second kernel, one program a query head, rescal
 maximum and adds them. Every program rotates the new key itself and uses it (and the new value) in place of the slot's
 cache row, so no program reads what another writes; split 0 stores them in the cache.
 
-Selected by `cuda_attention.SPLIT` (bench/gpu.py's compiled-gemv-split); not yet run on a GPU.
+Selected by `cuda_attention.SPLIT` (on by default; bench/gpu.py's compiled-gemv variant turns it off, -split on).
 """
 
 from __future__ import annotations

@@ -20,12 +20,25 @@ def _dependent_start(PDL: tl.constexpr):
 
 
 @triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 x rounded to `dtype` (to nearest, ties to even), kept in float32. bfloat16 rounds on the bits: written
+    as casts, LLVM turns bfloat16 products followed by a bfloat16 sum into one fused multiply-add that skips the
+    products' rounding (seen on an H200: the rotated keys differed from the module path's in a few elements)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # finite values; the top 16 bits are the bfloat16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rope(ptr, offs, partner_offs, sign, cos, sin, ok, dtype: tl.constexpr):
     """x * cos + rotate_half(x) * sin at `offs`, each product and the sum rounded to `dtype` (models.llama.apply_rope
     in that dtype); `partner_offs` are the rotate_half partners, `sign` -1 on the first half."""
     x = tl.load(ptr + offs, mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(ptr + partner_offs, mask=ok, other=0.0).to(tl.float32)
-    return ((x * cos).to(dtype).to(tl.float32) + (sign * xp * sin).to(dtype).to(tl.float32)).to(dtype)
+    return _rounded(_rounded(x * cos, dtype) + _rounded(sign * xp * sin, dtype), dtype).to(dtype)
 
 
 @triton.jit

@@ -3,11 +3,12 @@
 The module path of a decoder block at one row launches, besides attention: the input norm, the joined q/k/v
 product, the o product, the residual add, the second norm, the joined gate/up product, the gating, the down product
 and the second residual add. Here the norms ride in the products that read them, the gating in the down product and
-the residual adds in the products before them, and attention is one kernel:
+the residual adds in the products before them, and attention is one operation:
 
     qkv = gemv(x, W_qkv, norm=input_layernorm)            (n_qkv,)
-    out = attention(qkv)                                   (hq*hd,): rotary, the cache write and attention in one
-                                                           kernel (kernels/cuda_attention.py) in a captured step
+    out = attention(qkv)                                   (hq*hd,): rotary, the cache write and attention over
+                                                           splits of the keys in two kernels
+                                                           (kernels/cuda_attention.py) in a captured step
     h   = gemv(out, W_o, residual=x)                       (dim,)
     gu  = gemv(h, W_gate_up, norm=post_attention_layernorm)  (2 * inter,)
     y   = gemv(gu, W_down, silu=True, residual=h)          (dim,)
@@ -16,6 +17,7 @@ Installed as `DecoderLayer.decode_step` where it applies (plain joined bias-free
 calls (prefill, more than one row, the serving engine's slot caches) return None and run the module path. Serving
 stays on the module path because its rows are the first slots, a power of two covering the decoding ones: a request
 alone in slot 0 would run these kernels, and beside others cuBLAS, so its tokens would depend on its neighbours.
+Where a layer takes the blocks, the graph path's greedy token comes from kernels/cuda_argmax.py (`greedy_pick`).
 """
 
 from __future__ import annotations
@@ -78,9 +80,11 @@ MAX_KEYS = 8192
 
 def install_gemv_blocks(model: nn.Module, attention: bool = True) -> int:
     """Put `gemv_block` in every eligible decoder layer of `model`, with the one-kernel attention where it applies
-    (`attention`); returns how many layers."""
+    (`attention`), and, where any layer took it, kernels/cuda_argmax.py as the graph path's greedy pick (torch.argmax's
+    index in two launches); returns how many layers."""
     import shardlm.kernels.cuda_attention  # noqa: F401 - registers torch.ops.shardlm.decode_attention
     import shardlm.kernels.cuda_gemv  # noqa: F401 - registers torch.ops.shardlm.gemv
+    from shardlm.kernels.cuda_argmax import greedy_pick
 
     taken = 0
     for layer in model.model.layers.values():
@@ -88,4 +92,6 @@ def install_gemv_blocks(model: nn.Module, attention: bool = True) -> int:
             layer.decode_step = gemv_block
             layer.gemv_attention = attention
             taken += 1
+    if taken:
+        model.greedy_pick = greedy_pick  # runtime/cuda_graph.py decode_step: the token a replay feeds the next
     return taken
