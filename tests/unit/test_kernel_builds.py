@@ -1,6 +1,6 @@
 """The kernels built for older CPUs than this one (AVX2 without AVX-512; no AVX at all) on this machine: each
-build names its instructions, and the int4 row tiles give the native build's numbers bit for bit (one
-arithmetic on every build, q4tiles.h), for decode and prefill row counts, split and whole; prefill panels equal
+build names its instructions, and the int4 row tiles and the int8 exact sums give the native build's numbers bit
+for bit (one arithmetic on every build, q4tiles.h and qrows.h), for decode and prefill row counts, split and whole; prefill panels equal
 wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512) and prefill
 attention (8- or 16-lane tiles), and the fused decode blocks, equal wherever the CPU has FMA; greedy argmax equal
 to torch's on every build."""
@@ -82,6 +82,10 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
     q8 = quantize_int8(w)  # int8 rows: each build's own lane sums, the same value to float rounding
     torch.testing.assert_close(ext.gemv_int8(x, q8.q, q8.scale), native.gemv_int8(x, q8.q, q8.scale),
                                rtol=1e-5, atol=1e-5)
+    q8, x8 = quantize_int8(torch.randn(45, 600, generator=g)), torch.randn(5, 600, generator=g)  # 19 blocks
+    for rows in (1, 5):  # int8 o and down sums (exact): one term a block on every build, equal bit for bit
+        assert torch.equal(ext.gemv_int8(x8[:rows], q8.q, q8.scale, exact=True),
+                           native.gemv_int8(x8[:rows], q8.q, q8.scale, exact=True)), rows
 
 
 def _decode_inputs(dt, g):

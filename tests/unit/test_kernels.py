@@ -162,6 +162,39 @@ def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
     assert (qw.matmul_t(many) - want).abs().max() <= 1e-3 * want.abs().max()
 
 
+def _int8_exact_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """qrows.h's `exact` arithmetic, emulated: x (b, k) quantized per block of 32 as quantize_rows does (d = max|x| /
+    32767, codes round(x * (32767 / max|x|)) in float32, ties to even), each block's integer sum of codes times
+    weight codes, times d in float32, the terms added in float64, times the row's scale; (b, n) float32."""
+    b, k = x.shape
+    kp = q.shape[1]
+    blocks = F.pad(x, (0, kp - k)).view(b, kp // 32, 32)  # (b, blocks, 32)
+    amax = blocks.abs().amax(-1)  # (b, blocks)
+    d = amax / 32767
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))  # one rounding
+    # (a Python number over a tensor is the tensor's reciprocal times the number: two roundings)
+    codes = torch.round(blocks * inv[..., None]).to(torch.int64)  # (b, blocks, 32)
+    wq = q.to(torch.int64).view(q.shape[0], kp // 32, 32)  # (n, blocks, 32)
+    isum = torch.einsum("jbc,rbc->jrb", codes, wq)  # (b, n, blocks), exact integers
+    terms = (isum.float() * d[:, None, :]).double()  # float32 products, then float64
+    return (terms.sum(-1) * scale.double()[None, :]).float()
+
+
+@pytest.mark.parametrize("n,k", [(37, 200), (20, 576), (9, 1000), (5, 40)])
+def test_int8_exact_sums_follow_the_documented_arithmetic(n, k, ext):
+    """The o and down products' int8 sums (exact: one float64 term a block) are qrows.h's arithmetic bit for bit,
+    over whole groups of blocks and the blocks after them, at every batch size."""
+    from shardlm.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(9)
+    qw = quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(6, k, generator=g)
+    want = _int8_exact_reference(x, qw.q, qw.scale)
+    assert not torch.equal(want, ext.gemv_int8(x, qw.q, qw.scale)) or k <= 40, "float lane sums must be able to differ"
+    for b in (1, 2, 6):
+        assert torch.equal(ext.gemv_int8(x[:b], qw.q, qw.scale, exact=True), want[:b]), b
+
+
 def test_int8_kernel_names_its_instructions_and_refuses_a_bad_width(ext):
     flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     if {"avx512f", "avx512bw"} <= flags:

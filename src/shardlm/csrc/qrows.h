@@ -7,11 +7,12 @@
 // are finer than bfloat16. Each block's int32 sums are scaled by the block's activation scale in float32; the
 // row's weight scale multiplies the finished sum. Every (weight row, activation row) pair keeps its own
 // accumulators and order, so a row's result does not depend on the batch around it. Weights whose rows tensor
-// parallelism splits (o and down projections; `exact`) add their block terms in double: a block's terms are the
-// same on every layout and double sums in any order round to the same float (but for a chance of about 2^-29
-// per value), so a row-parallel rank's partial sums, all-reduced in double, give the one-rank result, and
-// quantized tokens do not depend on the tensor-parallel degree. The others keep float accumulators (faster;
-// one rank always adds a whole row in the same order).
+// parallelism splits (o and down projections; `exact`) take one term a block: the block's 32 products summed in
+// int32 (exact), times the block's activation scale in float, added in double (`exact_rows`). A block's term is
+// the same on every layout and every build (vector or scalar), and double sums in any order round to the same
+// float (but for a chance of about 2^-29 per value), so a row-parallel rank's partial sums, all-reduced in
+// double, give the one-rank result, and quantized tokens do not depend on the tensor-parallel degree. The others
+// keep float lane accumulators, one multiply-add a block (one rank always adds a whole row in the same order).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -152,11 +153,8 @@ inline double dot_q8_scalar(const int8_t* w, const QuantRows& x, int64_t j) {
 }
 
 #if defined(__AVX2__)
-// A (weight row, activation row) pair's running sum over blocks: each block's eight int32 lane sums times the
-// block's scale (a float product, rounded alike on every layout), added in eight lanes.
-// FloatSums: float lanes, one FMA a block; for weights no rank splits (one rank always adds a row's blocks in
-// the same order). DoubleSums: double lanes; a row's sum split over tensor-parallel ranks and added up later
-// in double rounds as the whole sum does (the `exact` weights).
+// A (weight row, activation row) pair's running sum over blocks, for weights no rank splits: each block's eight
+// int32 lanes times the block's scale, added in eight float lanes (one FMA a block).
 struct FloatSums {
   using Lane = __m256;
   static constexpr int kLanes = 1;  // vectors a pair holds
@@ -173,31 +171,13 @@ struct FloatSums {
   }
 };
 
-struct DoubleSums {
-  using Lane = __m256d;
-  static constexpr int kLanes = 2;
-  static void zero(Lane* a) { a[0] = a[1] = _mm256_setzero_pd(); }
-  static void add(Lane* a, __m256i isum, __m256 scale) {
-    const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), scale);
-    a[0] = _mm256_add_pd(a[0], _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
-    a[1] = _mm256_add_pd(a[1], _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
-  }
-  static double total(const Lane* a) {  // the eight lanes added in order
-    alignas(32) double l[8];
-    _mm256_store_pd(l, a[0]);
-    _mm256_store_pd(l + 4, a[1]);
-    double s = 0.0;
-    for (int i = 0; i < 8; ++i) s += l[i];
-    return s;
-  }
-};
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // With AVX-512 a block of 32 codes is one vector of 32 int16 and meets the activation block in one multiply-add
 // (16 int32 lanes, adjacent pairs summed): four instructions a (row, block) where the 256-bit form takes seven.
-// The lanes then hold pairs, not the 256-bit form's quads, so an AVX-512 build rounds int8 sums differently
-// from an AVX2 one (each is batch-invariant and tensor-parallel-exact on its own).
+// The lanes then hold pairs, not the 256-bit form's quads, so an AVX-512 build rounds the float-summed int8
+// products differently from an AVX2 one (each batch-invariant; the `exact` ones round alike on both).
 struct Codes32 {
   __m512i v;
 };
@@ -220,73 +200,49 @@ struct FloatSums16 {
     return s;
   }
 };
-struct DoubleSums16 {
-  using Lane = __m512d;
-  static constexpr int kLanes = 2;
-  static void zero(Lane* a) { a[0] = a[1] = _mm512_setzero_pd(); }
-  static void add(Lane* a, __m512i isum, __m512 scale) {
-    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), scale);
-    a[0] = _mm512_add_pd(a[0], _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
-    a[1] = _mm512_add_pd(a[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1)));
-  }
-  static double total(const Lane* a) {
-    alignas(64) double l[16];
-    _mm512_store_pd(l, a[0]);
-    _mm512_store_pd(l + 8, a[1]);
-    double s = 0.0;
-    for (int i = 0; i < 16; ++i) s += l[i];
-    return s;
-  }
-};
 #define SHARDLM_Q8_WIDE 1
 #endif
 
-// The accumulator type of a tile: double for `exact` weights, float otherwise.
-template <bool Exact>
-using SumScalar = std::conditional_t<Exact, double, float>;
+// A block's codes widened, its int32 lanes against an activation block, a scale in every lane: in 512-bit
+// vectors with AVX-512, else 256-bit ones.
+#if defined(SHARDLM_Q8_WIDE)
+inline Codes32 widen_block(const int8_t* w) { return widen_int8_32(w); }
+inline __m512i dot_block(const Codes32& w, const int16_t* x) { return block_dot32(w, x); }
+inline __m512 broadcast_scale(float d) { return _mm512_set1_ps(d); }
+#elif defined(__AVX2__)
+inline Codes16 widen_block(const int8_t* w) { return widen_int8(w); }
+inline __m256i dot_block(const Codes16& w, const int16_t* x) { return block_dot(w, x); }
+inline __m256 broadcast_scale(float d) { return _mm256_set1_ps(d); }
+#endif
 
-// y[j, r] = scale[r] * sum_k w[r, k] x[j, k] for R int8 weight rows from r0 and J activation rows from j0, stored
-// as T (float, or double for partial sums that ranks add up).
-template <typename T, bool Exact, int R, int J>
+// y[j, r] = scale[r] * sum_k w[r, k] x[j, k] for R int8 weight rows from r0 and J activation rows from j0, summed
+// in float lanes (weights no rank splits).
+template <typename T, int R, int J>
 __attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, const float* scale,
                                                  const QuantRows& x, T* y, int64_t n, int64_t r0, int64_t j0) {
-  using S = SumScalar<Exact>;
+#if defined(SHARDLM_Q8_WIDE) || defined(__AVX2__)
 #if defined(SHARDLM_Q8_WIDE)
-  using P = std::conditional_t<Exact, DoubleSums16, FloatSums16>;
+  using P = FloatSums16;
+  using Scale = __m512;
+#else
+  using P = FloatSums;
+  using Scale = __m256;
+#endif
   typename P::Lane acc[R][J][P::kLanes];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) P::zero(acc[r][j]);
   for (int64_t blk = 0; blk < x.blocks; ++blk) {
-    __m512 d[J];
-    for (int j = 0; j < J; ++j) d[j] = _mm512_set1_ps(x.scales[(j0 + j) * x.blocks + blk]);
+    Scale d[J];
+    for (int j = 0; j < J; ++j) d[j] = broadcast_scale(x.scales[(j0 + j) * x.blocks + blk]);
     for (int r = 0; r < R; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + r + PREFETCH_ROWS) * ldw + blk * QBLOCK), _MM_HINT_T0);
-      const Codes32 wv = widen_int8_32(w + (r0 + r) * ldw + blk * QBLOCK);
+      const auto wv = widen_block(w + (r0 + r) * ldw + blk * QBLOCK);
       for (int j = 0; j < J; ++j)
-        P::add(acc[r][j], block_dot32(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
+        P::add(acc[r][j], dot_block(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j)
-      y[(j0 + j) * n + r0 + r] = static_cast<T>(static_cast<S>(scale[r0 + r]) * P::total(acc[r][j]));
-#elif defined(__AVX2__)
-  using P = std::conditional_t<Exact, DoubleSums, FloatSums>;
-  typename P::Lane acc[R][J][P::kLanes];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) P::zero(acc[r][j]);
-  for (int64_t blk = 0; blk < x.blocks; ++blk) {
-    __m256 d[J];
-    for (int j = 0; j < J; ++j) d[j] = _mm256_set1_ps(x.scales[(j0 + j) * x.blocks + blk]);
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + r + PREFETCH_ROWS) * ldw + blk * QBLOCK), _MM_HINT_T0);
-      const Codes16 wv = widen_int8(w + (r0 + r) * ldw + blk * QBLOCK);
-      for (int j = 0; j < J; ++j)
-        P::add(acc[r][j], block_dot(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j)
-      y[(j0 + j) * n + r0 + r] = static_cast<T>(static_cast<S>(scale[r0 + r]) * P::total(acc[r][j]));
+    for (int j = 0; j < J; ++j) y[(j0 + j) * n + r0 + r] = static_cast<T>(scale[r0 + r] * P::total(acc[r][j]));
 #else
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
@@ -295,27 +251,129 @@ __attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, c
 #endif
 }
 
+#if defined(SHARDLM_Q8_WIDE)
+// Lane i of the result = the sum of v[i]'s sixteen int32 lanes (integer adds, exact in any order): a transpose
+// and add in four rounds, 45 instructions for sixteen blocks where one horizontal sum a block takes more.
+__attribute__((always_inline)) inline __m512i lane_sums(const __m512i* v) {
+  __m512i t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // each 128-bit lane: that lane's sums of v[4i], ..., v[4i+3]
+    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                            _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+  // the four 128-bit lanes added: lanes (0, 2) and (1, 3) of two vectors at a time
+  const __m512i w0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+  const __m512i w1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
+}
+constexpr int EXACT_GROUP = 16;  // blocks whose integer sums one lane_sums call finishes
+inline int32_t lane_sum(__m512i v) { return _mm512_reduce_add_epi32(v); }
+// Block terms float(sums) * scales added into a pair's double lanes.
+inline void add_terms(__m512d* acc, __m512i sums, const float* scales) {
+  const __m512 terms = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(scales));
+  acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(terms)));
+  acc[1] = _mm512_add_pd(acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(terms, 1)));
+}
+inline double lanes_total(const __m512d* acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc[0], acc[1])); }
+using ExactLanes = __m512d;
+using BlockSums = __m512i;
+#elif defined(__AVX2__)
+// Lane i of the result = the sum of v[i]'s eight int32 lanes (integer adds, exact in any order).
+__attribute__((always_inline)) inline __m256i lane_sums(const __m256i* v) {
+  const __m256i h0 = _mm256_hadd_epi32(v[0], v[1]), h1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i h2 = _mm256_hadd_epi32(v[4], v[5]), h3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i s0 = _mm256_hadd_epi32(h0, h1), s1 = _mm256_hadd_epi32(h2, h3);  // [v0..v3 | v0..v3] half sums
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+constexpr int EXACT_GROUP = 8;
+inline int32_t lane_sum(__m256i v) {
+  const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i p = _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
+  return _mm_cvtsi128_si32(_mm_add_epi32(p, _mm_shuffle_epi32(p, 1)));
+}
+inline void add_terms(__m256d* acc, __m256i sums, const float* scales) {
+  const __m256 terms = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(scales));
+  acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(terms)));
+  acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(terms, 1)));
+}
+inline double lanes_total(const __m256d* acc) {
+  alignas(32) double l[4];
+  _mm256_store_pd(l, _mm256_add_pd(acc[0], acc[1]));
+  return (l[0] + l[1]) + (l[2] + l[3]);
+}
+using ExactLanes = __m256d;
+using BlockSums = __m256i;
+#endif
+
+#if defined(SHARDLM_Q8_WIDE) || defined(__AVX2__)
+// One (weight row, activation row) pair of an `exact` weight: dot_q8_scalar's block terms, float(the block's int32
+// sum) * its scale, added in double; EXACT_GROUP blocks' integer sums finished together. `ahead` (or null): the
+// row PREFETCH_ROWS on, asked for a cache line at a time.
+__attribute__((always_inline)) inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j,
+                                                        const int8_t* ahead) {
+  const int16_t* xc = x.codes.data() + j * x.kp;
+  const float* ds = x.scales.data() + j * x.blocks;
+  ExactLanes acc[2] = {};
+  int64_t blk = 0;
+  for (; blk + EXACT_GROUP <= x.blocks; blk += EXACT_GROUP) {
+    BlockSums v[EXACT_GROUP];
+    for (int i = 0; i < EXACT_GROUP; ++i) {
+      if (ahead != nullptr && i % 2 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (blk + i) * QBLOCK), _MM_HINT_T0);
+      v[i] = dot_block(widen_block(w + (blk + i) * QBLOCK), xc + (blk + i) * QBLOCK);
+    }
+    add_terms(acc, lane_sums(v), ds + blk);
+  }
+  double s = lanes_total(acc);
+  for (; blk < x.blocks; ++blk) {
+    if (ahead != nullptr && blk % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + blk * QBLOCK), _MM_HINT_T0);
+    const int32_t isum = lane_sum(dot_block(widen_block(w + blk * QBLOCK), xc + blk * QBLOCK));
+    s += static_cast<double>(static_cast<float>(isum) * ds[blk]);
+  }
+  return s;
+}
+#else
+inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j, const int8_t*) {
+  return dot_q8_scalar(w, x, j);
+}
+#endif
+
+// Rows [lo, hi) of an `exact` weight against every activation row (see the top of this file): a pair at a time,
+// the first activation row's pass asking for the rows ahead.
+template <typename T>
+inline void exact_rows(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n,
+                       int64_t b, int64_t lo, int64_t hi) {
+  for (int64_t r = lo; r < hi; ++r)
+    for (int64_t j = 0; j < b; ++j) {
+#if defined(__AVX2__)
+      const int8_t* ahead = j == 0 ? w + (r + PREFETCH_ROWS) * ldw : nullptr;
+#else
+      const int8_t* ahead = nullptr;
+#endif
+      y[j * n + r] = static_cast<T>(static_cast<double>(scale[r]) * exact_pair(w + r * ldw, x, j, ahead));
+    }
+}
+
 // (The tiles are forced inline into `tile_rows`: called through the Int8Tiles functor, GCC kept them
 // out of line and batch-8 int8 ran 12 % slower, measured.)
-// Every row in [lo, hi) against every activation row, in tiles `tile.run<R, J>(r0, j0)`: `Exact` tiles hold two
-// double vectors a pair, so four weight rows for one activation row and two by two for more; float ones eight
-// rows for one activation row and four by two.
-template <bool Exact, typename Tile>
+// Every row in [lo, hi) against every activation row, in tiles `tile.run<R, J>(r0, j0)`: eight rows for one
+// activation row, four by two for more.
+template <typename Tile>
 inline void tile_rows(const Tile& tile, int64_t b, int64_t lo, int64_t hi) {
-  constexpr int single = Exact ? 4 : 8, paired = Exact ? 2 : 4;
   int64_t r = lo;
   if (b == 1)
-    for (; r + single <= hi; r += single) tile.template run<single, 1>(r, 0);
-  for (; r + paired <= hi; r += paired) {
+    for (; r + 8 <= hi; r += 8) tile.template run<8, 1>(r, 0);
+  for (; r + 4 <= hi; r += 4) {
     int64_t j = 0;
-    for (; j + 2 <= b; j += 2) tile.template run<paired, 2>(r, j);
-    if (j < b) tile.template run<paired, 1>(r, j);
+    for (; j + 2 <= b; j += 2) tile.template run<4, 2>(r, j);
+    if (j < b) tile.template run<4, 1>(r, j);
   }
   for (; r < hi; ++r)
     for (int64_t j = 0; j < b; ++j) tile.template run<1, 1>(r, j);
 }
 
-template <typename T, bool Exact>
+template <typename T>
 struct Int8Tiles {
   const int8_t* w;
   int64_t ldw;
@@ -324,18 +382,18 @@ struct Int8Tiles {
   T* y;
   int64_t n;
   template <int R, int J>
-  void run(int64_t r0, int64_t j0) const { qtile<T, Exact, R, J>(w, ldw, scale, x, y, n, r0, j0); }
+  void run(int64_t r0, int64_t j0) const { qtile<T, R, J>(w, ldw, scale, x, y, n, r0, j0); }
 };
 
-// Rows [lo, hi) of an int8 weight (rows ldw >= kp apart) against every quantized activation row; `exact`: sums
-// in double (see the top of this file).
+// Rows [lo, hi) of an int8 weight (rows ldw >= kp apart) against every quantized activation row; `exact`: one
+// double term a block (see the top of this file).
 template <typename T>
 inline void qrows(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n, int64_t b,
                   int64_t lo, int64_t hi, bool exact) {
   if (exact)
-    tile_rows<true>(Int8Tiles<T, true>{w, ldw, scale, x, y, n}, b, lo, hi);
+    exact_rows<T>(w, ldw, scale, x, y, n, b, lo, hi);
   else
-    tile_rows<false>(Int8Tiles<T, false>{w, ldw, scale, x, y, n}, b, lo, hi);
+    tile_rows(Int8Tiles<T>{w, ldw, scale, x, y, n}, b, lo, hi);
 }
 
 }  // namespace shardlm
