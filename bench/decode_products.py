@@ -2,12 +2,15 @@
 few rows, over 30 layers of distinct weights (as a decode step reads them: from memory) and over one layer's (from
 the caches), in one process.
 
-    python bench/decode_products.py [--rows 1,8,16] [--rounds 15]
+    python bench/decode_products.py [--rows 1,8,16] [--rounds 15] [--format int8 [--sums rank|float|exact]]
 
 Random float32 weights of the bundled model's shapes (q and o 576 x 576, k and v 192 x 576, gate and up 1536 x 576,
 down 576 x 1536) and activations, on the machine's cores, with a rank's malloc settings. Per row count: the best of
 `--rounds` passes over the 30 layers, as ms, GFLOP/s and GB/s of weights read. It isolates the products of a
 batch-16 decode step (what a serving step at 16 streams spends most of its time in) from the rest of the step.
+`--format int8` times the same shapes as int8 weights through `gemv_int8` (qrows.h): by default o and down with the
+double-summed block terms a rank gives them (`exact`, so tensor-parallel parts add up) and the rest with float lane
+sums; `--sums float` or `--sums exact` puts every product on one of the two, to see what the exact sums cost.
 """
 
 from __future__ import annotations
@@ -26,16 +29,34 @@ SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 57
 LAYERS = 30
 
 
-def best_pass(ext, layers: list[list[torch.Tensor]], xs: dict, rounds: int) -> float:
-    """Seconds of the fastest pass over `layers`, each product once."""
+def best_pass(layers: list[list], xs: dict, rounds: int) -> float:
+    """Seconds of the fastest pass over `layers` (lists of (in features, product)), each product once."""
     best = float("inf")
     for _ in range(rounds):
         t0 = time.perf_counter()
-        for ws in layers:
-            for w in ws:
-                ext.gemv(xs[w.shape[1]], w)
+        for products in layers:
+            for k, product in products:
+                product(xs[k])
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def layer_products(ext, g: torch.Generator, fmt: str, sums: str) -> tuple[list, int]:
+    """One layer's seven products as (in features, callable on x) and its weight bytes."""
+    from shardlm.quant import quantize_int8
+
+    products, size = [], 0
+    for i, (n, k) in enumerate(SHAPES):
+        w = torch.randn(n, k, generator=g) * 0.02
+        if fmt == "float32":
+            products.append((k, lambda x, w=w: ext.gemv(x, w)))
+            size += 4 * n * k
+            continue
+        qw = quantize_int8(w)
+        exact = sums == "exact" or (sums == "rank" and i in (3, 6))  # o and down: row-parallel under tp
+        products.append((k, lambda x, q=qw.q, s=qw.scale, e=exact: ext.gemv_int8(x, q, s, exact=e)))
+        size += qw.q.numel() + 4 * n
+    return products, size
 
 
 def main() -> None:
@@ -43,22 +64,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,8,16")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--format", choices=("float32", "int8"), default="float32")
+    ap.add_argument("--sums", choices=("rank", "float", "exact"), default="rank",
+                    help="int8: o and down summed as a rank sums them (rank), or every product one way")
     args = ap.parse_args()
     set_malloc(False)
     ext = extension(Settings.from_env().kernel_dir)
     if ext is None:
         raise SystemExit("the compiled kernels could not be built here (a C++ compiler is needed); see the log above")
     g = torch.Generator().manual_seed(0)
-    layers = [[torch.randn(n, k, generator=g) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
-    layer_bytes = sum(4 * n * k for n, k in SHAPES)
-    print(f"{torch.get_num_threads()} threads; {LAYERS} layers of {layer_bytes / 2**20:.1f} MiB")
+    built = [layer_products(ext, g, args.format, args.sums) for _ in range(LAYERS)]
+    layers, layer_bytes = [p for p, _ in built], built[0][1]
+    print(f"{torch.get_num_threads()} threads; {LAYERS} layers of {layer_bytes / 2**20:.1f} MiB, {args.format}"
+          + (f", {args.sums} sums" if args.format == "int8" else ""))
     print("| rows | weights | ms for 30 layers | GFLOP/s | GB/s read |")
     print("|---|---|---|---|---|")
     for b in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(b, k, generator=g) for k in (576, 1536)}
         flop = 2 * b * LAYERS * sum(n * k for n, k in SHAPES)
         for where, ls in (("30 layers (memory)", layers), ("one layer 30 times (caches)", [layers[0]] * LAYERS)):
-            s = best_pass(ext, ls, xs, args.rounds)
+            s = best_pass(ls, xs, args.rounds)
             print(f"| {b} | {where} | {s * 1e3:.2f} | {flop / s / 1e9:.0f} | {LAYERS * layer_bytes / s / 1e9:.1f} |")
 
 

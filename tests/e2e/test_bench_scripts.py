@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,12 +25,15 @@ def test_engine_load_reports_the_steps_it_timed():
     assert "prefill 8 tokens" in kinds or "prefill 16 tokens" in kinds, out.stdout
 
 
-def test_decode_products_prints_one_line_per_row_count_and_place():
-    """`bench/decode_products.py` at 1 and 2 rows, 1 round: a table row for memory and caches at each."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_products.py"), "--rows", "1,2", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+@pytest.mark.parametrize("extra", [[], ["--format", "int8"], ["--format", "int8", "--sums", "exact"]])
+def test_decode_products_prints_one_line_per_row_count_and_place(extra):
+    """`bench/decode_products.py` at 1 and 2 rows, 1 round, float32 and int8: a table row for memory and caches at
+    each."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_products.py"), "--rows", "1,2", "--rounds", "1",
+                          *extra], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0, out.stderr[-3000:]
+    assert ("int8" in out.stdout.splitlines()[0]) == bool(extra), out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 4 and all(float(r.split("|")[4]) > 0 for r in rows), out.stdout
 
