@@ -26,6 +26,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -311,6 +312,8 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md as it is")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,4,16")).split(",")]
+    if not all(re.fullmatch(r"tp[1-9]\d*", lay) for lay in args.vllm_layouts.split(",")):
+        sys.exit(f"--vllm-layouts {args.vllm_layouts}: give tensor-parallel sizes as tpN, comma-separated (e.g. tp1,tp3)")
     client_python = args.vllm_venv / "bin" / "python"
     if not client_python.exists():
         sys.exit(f"no vLLM environment at {args.vllm_venv}: create it (python3 -m venv {args.vllm_venv}; "
