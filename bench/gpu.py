@@ -221,7 +221,8 @@ kernels with the norms, gating and residual adds inside and attention as one ker
 measured), uncompiled and compiled; compiled-gemv-sdpa, the same with the module path's attention; compiled-gemv-nopdl,
 each kernel launched after the one before it ends (no programmatic dependent launch); compiled-gemv-split, with
 attention split over the keys (kernels/cuda_attention_split.py); compiled-gemv-split-argmax and gemv-split-argmax,
-also greedy tokens by kernels/cuda_argmax.py (what SHARDLM_CUDA_GEMV=1 runs now, compiled and not); engine and engine-eager, the engine's path (`shardlm generate`
+also greedy tokens by kernels/cuda_argmax.py (what SHARDLM_CUDA_GEMV=1 runs now, compiled and
+not); engine and engine-eager, the engine's path (`shardlm generate`
 and `serve`: a rank process) with and without its CUDA graphs; engine-no-ahead, reading each step's tokens before
 launching the next (SHARDLM_CUDA_AHEAD=0); engine-b8, engine-eager-b8 and engine-no-ahead-b8, the same with 8 copies
 of the prompt in one batch (tok/s counts every row)."""

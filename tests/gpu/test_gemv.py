@@ -16,6 +16,20 @@ from shardlm.settings import Settings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 
+try:  # a kernel around kernels/triton_decode.py's bfloat16 rounding (Triton comes with CUDA builds of torch)
+    import triton
+    import triton.language as tl
+
+    from shardlm.kernels.triton_decode import _rounded
+
+    @triton.jit
+    def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        tl.store(y_ptr + i, _rounded(tl.load(x_ptr + i, mask=ok, other=0.0), tl.bfloat16), mask=ok)
+except ImportError:
+    _round_kernel = None
+
 CASES = [(n, k, shape) for n, k in [(160, 96), (333, 200), (2048, 2048)] for shape in [None, (16, 1024, 8)]]
 
 
@@ -102,7 +116,7 @@ def test_gemv_refuses_a_wrong_input():
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_gemv_blocks_give_the_graph_paths_tokens(random_dirs, compile, monkeypatch):
-    """Batch-1 greedy decode through the GEMV blocks and the one-kernel attention (float32, odd widths), compiled
+    """Batch-1 greedy decode through the GEMV blocks and their attention kernels (float32, odd widths), compiled
     or not, gives the tokens of the uncompiled graph path without them; a batch of two runs the module path (not
     compiled here: Inductor's autotuning of its products took over 95 s on an H200)."""
     folder = random_dirs["gqa12x4"]
@@ -243,3 +257,18 @@ def test_split_attention_and_greedy_argmax_keep_the_tokens(random_dirs, monkeypa
         want = generate(plain, Batch.from_lists(prompt), 40, SamplingParams(), ())
         assert generate(model, Batch.from_lists(prompt), 40, SamplingParams(), ()) == want, n
     assert picked["n"] >= 1  # captured once a graph
+
+
+def test_bfloat16_rounding_on_the_bits_is_torchs():
+    """kernels/triton_decode.py `_rounded`: float32 to bfloat16 (kept in float32) exactly as torch converts, over
+    every kind of bit pattern: NaNs, infinities, ties to even, overflow to infinity, subnormals, random bits."""
+    special = [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF800000, 0x3FFFFFFF, 0x7F7F8000, 0x7F7F7FFF, 1, 0x807FFFFF,
+               0x3F808000, 0x3F818000, 0xBF808001, 0]
+    g = torch.Generator().manual_seed(0)
+    bits = torch.cat([torch.tensor(special, dtype=torch.int64), torch.randint(0, 2**32, (1 << 20,), generator=g)])
+    x = bits.to(torch.int32).view(torch.float32).cuda()  # int64 -> int32 wraps: every 32-bit pattern reachable
+    y = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    want = x.to(torch.bfloat16).float()
+    same = (y.view(torch.int32) == want.view(torch.int32)) | (y.isnan() & want.isnan())
+    assert same.all(), x[~same][:8].tolist()

@@ -44,8 +44,8 @@ def test_blocks_apply_only_to_joined_gpu_layers(tmp_path):
 
 
 def test_one_kernel_attention_needs_a_captured_steps_cache(tmp_path):
-    """Only a captured step's cache (its slot a device tensor), one row, regular groups, at most MAX_KEYS slots and
-    a mask row over all of them; anything else keeps the module path's attention."""
+    """Only a captured step's cache (its slot a device tensor) in float32 or bfloat16, one row, regular groups, at
+    most MAX_KEYS slots and a mask row over all of them; anything else keeps the module path's attention."""
     folder = write_random_checkpoint(PRESETS["debug"], tmp_path / "m", seed=4)
     rank = build(folder, settings=Settings(kernels="torch", fused=False))
     args, attn = rank.module.args, rank.module.model.layers["0"].self_attn
@@ -62,3 +62,7 @@ def test_one_kernel_attention_needs_a_captured_steps_cache(tmp_path):
     with wide.static(torch.zeros(1, dtype=torch.long)):
         attn.set_kv_map([h // (args.n_heads // args.n_kv_heads) for h in range(args.n_heads)])
         assert not gpu_blocks.one_kernel_attention(attn, wide, mask, cos)  # two rows
+    for dtype, takes in ((torch.bfloat16, True), (torch.float16, False)):  # float16's rotary has not run on a GPU
+        typed = KVCache(list(range(args.n_layers)), 1, args.n_kv_heads, 64, args.head_dim, dtype, "cpu")
+        with typed.static(torch.zeros(1, dtype=torch.long)):
+            assert gpu_blocks.one_kernel_attention(attn, typed, mask, cos) == takes, dtype

@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "rows.h"
@@ -327,7 +326,8 @@ __attribute__((always_inline)) inline double exact_pair(const int8_t* w, const Q
   }
   double s = lanes_total(acc);
   for (; blk < x.blocks; ++blk) {
-    if (ahead != nullptr && blk % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + blk * QBLOCK), _MM_HINT_T0);
+    if (ahead != nullptr && blk % 2 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + blk * QBLOCK), _MM_HINT_T0);
     const int32_t isum = lane_sum(dot_block(widen_block(w + blk * QBLOCK), xc + blk * QBLOCK));
     s += static_cast<double>(static_cast<float>(isum) * ds[blk]);
   }
@@ -347,7 +347,7 @@ inline void exact_rows(const int8_t* w, int64_t ldw, const float* scale, const Q
   for (int64_t r = lo; r < hi; ++r)
     for (int64_t j = 0; j < b; ++j) {
 #if defined(__AVX2__)
-      const int8_t* ahead = j == 0 ? w + (r + PREFETCH_ROWS) * ldw : nullptr;
+      const int8_t* ahead = j == 0 && r + PREFETCH_ROWS < n ? w + (r + PREFETCH_ROWS) * ldw : nullptr;
 #else
       const int8_t* ahead = nullptr;
 #endif

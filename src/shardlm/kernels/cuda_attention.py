@@ -1,4 +1,5 @@
-"""A batch-1 decode step's attention on a GPU as one Triton kernel: rotary, the cache write and attention together.
+"""A batch-1 decode step's attention on a GPU in Triton: rotary, the cache write and attention together, as one kernel
+here or, by default (`SPLIT`), split over the keys in two (kernels/cuda_attention_split.py).
 
 In a captured decode step of the module path, a layer's attention is several launches: rotary on q and k, the new
 key and value copied into the cache at the step's slot, then SDPA over every slot under the mask (cuDNN's flash
@@ -77,7 +78,8 @@ def check_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cach
 @torch.library.custom_op("shardlm::decode_attention", mutates_args=("k_cache", "v_cache"))
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot: torch.Tensor, mask: torch.Tensor, heads: int) -> torch.Tensor:
-    """One decode row's rotary, cache write and attention, one launch (see the module docstring)."""
+    """One decode row's rotary, cache write and attention, one launch or two with `SPLIT` (see the module
+    docstring)."""
     return launch(qkv, cos, sin, k_cache, v_cache, slot, mask, heads)
 
 

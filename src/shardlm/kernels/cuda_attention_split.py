@@ -7,7 +7,8 @@ unnormalized output, float32); a second kernel, one program a query head, rescal
 maximum and adds them. Every program rotates the new key itself and uses it (and the new value) in place of the slot's
 cache row, so no program reads what another writes; split 0 stores them in the cache.
 
-Selected by `cuda_attention.SPLIT` (on by default; bench/gpu.py's compiled-gemv variant turns it off, -split on).
+Selected by `cuda_attention.SPLIT` (on by default; bench/gpu.py's gemv and compiled-gemv variants and their -sdpa
+and -nopdl forms turn it off, the -split ones on).
 """
 
 from __future__ import annotations

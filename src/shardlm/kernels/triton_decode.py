@@ -23,11 +23,12 @@ def _dependent_start(PDL: tl.constexpr):
 def _rounded(x, dtype: tl.constexpr):
     """float32 x rounded to `dtype` (to nearest, ties to even), kept in float32. bfloat16 rounds on the bits: written
     as casts, LLVM turns bfloat16 products followed by a bfloat16 sum into one fused multiply-add that skips the
-    products' rounding (seen on an H200: the rotated keys differed from the module path's in a few elements)."""
+    products' rounding (seen on an H200: the rotated keys differed from the module path's in a few elements). float16
+    could fuse alike, so runtime/gpu_blocks.py keeps float16 caches off these kernels."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # finite values; the top 16 bits are the bfloat16
-        return bits.to(tl.float32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # the top 16 bits are the bfloat16
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # a NaN stays NaN (the add could carry it)
     else:
         return x.to(dtype).to(tl.float32)
 

@@ -8,7 +8,8 @@ the residual adds in the products before them, and attention is one operation:
     qkv = gemv(x, W_qkv, norm=input_layernorm)            (n_qkv,)
     out = attention(qkv)                                   (hq*hd,): rotary, the cache write and attention over
                                                            splits of the keys in two kernels
-                                                           (kernels/cuda_attention.py) in a captured step
+                                                           (kernels/cuda_attention_split.py, through
+                                                           kernels/cuda_attention.py) in a captured step
     h   = gemv(out, W_o, residual=x)                       (dim,)
     gu  = gemv(h, W_gate_up, norm=post_attention_layernorm)  (2 * inter,)
     y   = gemv(gu, W_down, silu=True, residual=h)          (dim,)
@@ -17,7 +18,8 @@ Installed as `DecoderLayer.decode_step` where it applies (plain joined bias-free
 calls (prefill, more than one row, the serving engine's slot caches) return None and run the module path. Serving
 stays on the module path because its rows are the first slots, a power of two covering the decoding ones: a request
 alone in slot 0 would run these kernels, and beside others cuBLAS, so its tokens would depend on its neighbours.
-Where a layer takes the blocks, the graph path's greedy token comes from kernels/cuda_argmax.py (`greedy_pick`).
+Where a layer takes the blocks, every graph replay of the model picks its greedy token with kernels/cuda_argmax.py
+(`greedy_pick`), at any batch size.
 """
 
 from __future__ import annotations
@@ -65,23 +67,26 @@ def gemv_block(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 
 def one_kernel_attention(attn: nn.Module, cache, mask: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether the step's attention can run as kernels/cuda_attention.py: a captured step's cache (its slot on the
-    device), regular query groups, one mask row over the cache's slots, at most MAX_KEYS of them."""
+    """Whether the step's attention can run as kernels/cuda_attention.py's kernels: a captured step's cache (its slot
+    on the device) in float32 or bfloat16, regular query groups, one mask row over the cache's slots, at most MAX_KEYS
+    of them. float16 keeps the module path's attention: its rotary roundings could be fused into one FMA, as
+    bfloat16's were until they moved onto the bits (kernels/triton_decode.py `_rounded`), and no GPU has run it."""
     if not isinstance(cache, KVCache) or cache.slot is None or not attn.regular_gqa:
         return False
     keys = cache.k[attn.layer_id]
     return (keys.shape[0] == 1 and keys.shape[2] <= MAX_KEYS and mask.numel() == keys.shape[2]
-            and cos.numel() == attn.head_dim and keys.is_contiguous())
+            and cos.numel() == attn.head_dim and keys.is_contiguous() and keys.dtype in (torch.float32, torch.bfloat16))
 
 
 MAX_KEYS = 8192
-"""Longest cache the one-kernel attention reads (one program a KV head walks every slot); longer ones take SDPA."""
+"""Longest cache the decode attention kernels read (the attention tests' longest is 1024 keys); longer ones take
+SDPA."""
 
 
 def install_gemv_blocks(model: nn.Module, attention: bool = True) -> int:
-    """Put `gemv_block` in every eligible decoder layer of `model`, with the one-kernel attention where it applies
-    (`attention`), and, where any layer took it, kernels/cuda_argmax.py as the graph path's greedy pick (torch.argmax's
-    index in two launches); returns how many layers."""
+    """Put `gemv_block` in every eligible decoder layer of `model`, with the decode attention kernels where they apply
+    (`attention`), and, where any layer took it, kernels/cuda_argmax.py as the graph path's greedy pick for every
+    replay of the model (torch.argmax's index in two launches); returns how many layers."""
     import shardlm.kernels.cuda_attention  # noqa: F401 - registers torch.ops.shardlm.decode_attention
     import shardlm.kernels.cuda_gemv  # noqa: F401 - registers torch.ops.shardlm.gemv
     from shardlm.kernels.cuda_argmax import greedy_pick
