@@ -2,7 +2,7 @@
 few rows, over 30 layers of distinct weights (as a decode step reads them: from memory) and over one layer's (from
 the caches), in one process.
 
-    python bench/decode_products.py [--rows 1,8,16] [--rounds 15] [--format int8 [--sums rank|float|exact]]
+    python bench/decode_products.py [--rows 1,8,16] [--rounds 15] [--format bfloat16 | int8 [--sums rank|float|exact]]
 
 Random float32 weights of the bundled model's shapes (q and o 576 x 576, k and v 192 x 576, gate and up 1536 x 576,
 down 576 x 1536) and activations, on the machine's cores, with a rank's malloc settings. Per row count: the best of
@@ -11,6 +11,8 @@ batch-16 decode step (what a serving step at 16 streams spends most of its time 
 `--format int8` times the same shapes as int8 weights through `gemv_int8` (qrows.h): by default o and down with the
 double-summed block terms a rank gives them (`exact`, so tensor-parallel parts add up) and the rest with float lane
 sums; `--sums float` or `--sums exact` puts every product on one of the two, to see what the exact sums cost.
+`--format bfloat16` times them as bfloat16 weights (bf16rows.h). With PYTHONPATH at another tree's src, the same
+table for that tree's kernels.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ def layer_products(ext, g: torch.Generator, fmt: str, sums: str) -> tuple[list, 
     products, size = [], 0
     for i, (n, k) in enumerate(SHAPES):
         w = torch.randn(n, k, generator=g) * 0.02
-        if fmt == "float32":
+        if fmt in ("float32", "bfloat16"):
+            w = w.to(getattr(torch, fmt))
             products.append((k, lambda x, w=w: ext.gemv(x, w)))
-            size += 4 * n * k
+            size += w.element_size() * n * k
             continue
         qw = quantize_int8(w)
         exact = sums == "exact" or (sums == "rank" and i in (3, 6))  # o and down: row-parallel under tp
@@ -64,7 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,8,16")
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--format", choices=("float32", "int8"), default="float32")
+    ap.add_argument("--format", choices=("float32", "bfloat16", "int8"), default="float32")
     ap.add_argument("--sums", choices=("rank", "float", "exact"), default="rank",
                     help="int8: o and down summed as a rank sums them (rank), or every product one way")
     args = ap.parse_args()

@@ -25,15 +25,16 @@ def test_engine_load_reports_the_steps_it_timed():
     assert "prefill 8 tokens" in kinds or "prefill 16 tokens" in kinds, out.stdout
 
 
-@pytest.mark.parametrize("extra", [[], ["--format", "int8"], ["--format", "int8", "--sums", "exact"]])
+@pytest.mark.parametrize("extra", [[], ["--format", "bfloat16"], ["--format", "int8"],
+                                   ["--format", "int8", "--sums", "exact"]])
 def test_decode_products_prints_one_line_per_row_count_and_place(extra):
-    """`bench/decode_products.py` at 1 and 2 rows, 1 round, float32 and int8: a table row for memory and caches at
-    each."""
+    """`bench/decode_products.py` at 1 and 2 rows, 1 round, float32, bfloat16 and int8: a table row for memory and
+    caches at each."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_products.py"), "--rows", "1,2", "--rounds", "1",
                           *extra], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert ("int8" in out.stdout.splitlines()[0]) == bool(extra), out.stdout
+    assert (extra[1] if extra else "float32") in out.stdout.splitlines()[0], out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 4 and all(float(r.split("|")[4]) > 0 for r in rows), out.stdout
 

@@ -1,9 +1,9 @@
 """The kernels built for older CPUs than this one (AVX2 without AVX-512; no AVX at all) on this machine: each build
 names its instructions, and the int4 row tiles and the int8 exact sums give the native build's numbers bit for bit
 (one arithmetic on every build, q4tiles.h and qrows.h), for decode and prefill row counts, split and whole; prefill
-panels equal wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512)
-and prefill attention (8- or 16-lane tiles), and the fused decode blocks, equal wherever the CPU has FMA; greedy
-argmax equal to torch's on every build."""
+panels equal wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512;
+bfloat16 rows 16 columns a step, bf16rows.h) and prefill attention (8- or 16-lane tiles), and the fused decode
+blocks, equal wherever the CPU has FMA; greedy argmax equal to torch's on every build."""
 
 from __future__ import annotations
 

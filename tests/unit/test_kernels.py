@@ -92,17 +92,23 @@ def test_gemv_rows_do_not_depend_on_the_batch_around_them(n, k, dtype, ext):
 
 
 def _float_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The float kernel's documented arithmetic, emulated: eight float32 lanes per output, lane l fusing
-    w[i] * x[i] for i = l, l + 8, ... (one rounding per step), the lanes added in order from zero, then the
-    tail's rounded products in order. Returns (b, n) float32."""
+    """The float kernels' documented arithmetic, emulated: eight float32 chains per output, each step one rounding
+    per product (as an FMA), the chains added in order from zero, then the tail's rounded products in order. float32
+    weights (rows.h): steps of 8 columns, chain l fusing w[i + l] * x[i + l]. bfloat16 weights (bf16rows.h): steps of
+    16, chain m fusing w[i + 2m] * x[i + 2m], then w[i + 2m + 1] * x[i + 2m + 1]. Returns (b, n) float32."""
+    step = 16 if w.dtype == torch.bfloat16 else 8
     w, x = w.float(), x.float()
     k = w.shape[1]
-    kk = k - k % 8
-    wl = w[:, :kk].double().reshape(w.shape[0], kk // 8, 8)  # (n, chunks, 8 lanes)
-    xl = x[:, :kk].double().reshape(x.shape[0], kk // 8, 8)  # (b, chunks, 8 lanes)
+    kk = k - k % step
+    wl = w[:, :kk].double().reshape(w.shape[0], kk // step, step // 8, 8)  # (n, steps, terms, 8 chains)
+    xl = x[:, :kk].double().reshape(x.shape[0], kk // step, step // 8, 8)
+    if step == 16:  # columns 2m and 2m + 1 of a step are chain m's two terms
+        wl = w[:, :kk].double().reshape(w.shape[0], kk // 16, 8, 2).transpose(2, 3)
+        xl = x[:, :kk].double().reshape(x.shape[0], kk // 16, 8, 2).transpose(2, 3)
     acc = torch.zeros(x.shape[0], w.shape[0], 8)  # (b, n, 8) float32
-    for c in range(kk // 8):  # a float32 product is exact in float64: one rounding, as in an FMA
-        acc = (xl[:, None, c, :] * wl[None, :, c, :] + acc.double()).float()
+    for c in range(kk // step):  # a float32 product is exact in float64: one rounding, as in an FMA
+        for term in range(step // 8):
+            acc = (xl[:, None, c, term, :] * wl[None, :, c, term, :] + acc.double()).float()
     s = torch.zeros(x.shape[0], w.shape[0])
     for lane in range(8):
         s = s + acc[:, :, lane]
@@ -111,7 +117,7 @@ def _float_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("n,k", [(37, 203), (16, 64), (9, 7)])
+@pytest.mark.parametrize("n,k", [(37, 203), (16, 64), (9, 7), (45, 600)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_follows_the_documented_arithmetic_bit_for_bit(n, k, dtype, ext):
     """Every tile shape (one row, 256-bit pairs, 512-bit pairs, the lane sums) computes exactly the arithmetic

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__FMA__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -291,21 +292,28 @@ inline void tile_rows(const W* w, int64_t ldw, const float* x, const float* xp, 
   if (j < b) tile<W, R, 1>(w, ldw, x, y, n, k, r0, j);
 }
 
+inline void rows_bf16(const uint16_t* w, const float* x, float* y, int64_t n, int64_t k, int64_t b, int64_t lo,
+                      int64_t hi, int64_t ldw);  // bf16rows.h
+
 // y[j, r] = dot(w[r, :], x[j, :]) for rows r in [lo, hi) and the b rows j of x (y has n columns).
-// Weight rows are `ldw` apart (default: k).
+// Weight rows are `ldw` apart (default: k). bfloat16 weights take bf16rows.h's tiles (their own chains).
 template <typename W>
 void rows(const W* w, const float* x, float* y, int64_t n, int64_t k, int64_t b, int64_t lo, int64_t hi,
           int64_t ldw = 0) {
   ldw = ldw ? ldw : k;
-  int64_t r = lo;
-  if (b == 1)  // one row of x: more weight rows in flight at once
-    for (; r + 8 <= hi; r += 8) tile<W, 8, 1>(w, ldw, x, y, n, k, r, 0);
-  const float* xp = nullptr;
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    rows_bf16(w, x, y, n, k, b, lo, hi, ldw);
+  } else {
+    int64_t r = lo;
+    if (b == 1)  // one row of x: more weight rows in flight at once
+      for (; r + 8 <= hi; r += 8) tile<W, 8, 1>(w, ldw, x, y, n, k, r, 0);
+    const float* xp = nullptr;
 #if defined(__AVX512F__)
-  if (b >= 2 && r < hi) xp = pairs_of(x, b, k);
+    if (b >= 2 && r < hi) xp = pairs_of(x, b, k);
 #endif
-  for (; r + 4 <= hi; r += 4) tile_rows<W, 4>(w, ldw, x, xp, y, n, k, b, r);
-  for (; r < hi; ++r) tile_rows<W, 1>(w, ldw, x, xp, y, n, k, b, r);
+    for (; r + 4 <= hi; r += 4) tile_rows<W, 4>(w, ldw, x, xp, y, n, k, b, r);
+    for (; r < hi; ++r) tile_rows<W, 1>(w, ldw, x, xp, y, n, k, b, r);
+  }
 }
 
 // x[0]^2 + ... + x[d-1]^2 in eight lanes in order (each square rounded, then added), the lanes added in order
@@ -337,3 +345,5 @@ inline void rms_norm_rows(const float* x, const float* weight, float eps, float*
 }
 
 }  // namespace shardlm
+
+#include "bf16rows.h"  // rows_bf16: after everything it uses
