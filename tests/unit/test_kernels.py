@@ -117,7 +117,7 @@ def _float_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("n,k", [(37, 203), (16, 64), (9, 7), (45, 600)])
+@pytest.mark.parametrize("n,k", [(37, 203), (16, 64), (9, 7), (45, 600), (40, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_follows_the_documented_arithmetic_bit_for_bit(n, k, dtype, ext):
     """Every tile shape (one row, 256-bit pairs, 512-bit pairs, the lane sums) computes exactly the arithmetic

@@ -70,10 +70,14 @@ inline void tile_bf16(const uint16_t* w, int64_t ldw, const float* x, const floa
       for (int j = 0; j < J; ++j) acc[r][j] = fma8(wo, xo[j], fma8(we, xe[j], acc[r][j]));
     }
   }
+  v8f chains[R * J];  // a copy: the accumulators' own address taken could keep them in memory through the loop
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) chains[r * J + j] = acc[r][j];
+  float sums[R * J];  // (r, j): the chains added in order from zero, eight pairs at a time
+  lane_sums8(chains, R * J, sums);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) {
-      float s;
-      lane_sums8(&acc[r][j], 1, &s);
+      float s = sums[r * J + j];
       for (int64_t t = kk; t < k; ++t) s += load<uint16_t>(w, (r0 + r) * ldw + t) * x[(j0 + j) * k + t];
       y[(j0 + j) * n + r0 + r] = s;
     }
@@ -115,6 +119,14 @@ inline void tile_bf16_rowpairs(const uint16_t* w, int64_t ldw, const float* x, c
       const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
       const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(words, high));
       acc[p] = _mm512_fmadd_ps(wo, xo, _mm512_fmadd_ps(we, xe, acc[p]));
+    }
+  }
+  if constexpr (R == 16) {
+    if (kk == k) {  // no tail columns: tile_pairs' transposes (rows.h) sum the chains in place
+      // pair_lane_sums puts row r's sum at element 8 (r / 8) + 4 (r % 2) + (r / 2) % 4; back to row order
+      const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+      _mm512_storeu_ps(y + r0, _mm512_permutexvar_ps(order, pair_lane_sums(acc)));
+      return;
     }
   }
   v8f halves[R];  // weight row r0 + r's eight chains

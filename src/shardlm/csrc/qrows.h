@@ -161,13 +161,6 @@ struct FloatSums {
   static void add(Lane* a, __m256i isum, __m256 scale) {
     a[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, a[0]);
   }
-  static float total(const Lane* a) {  // the eight lanes added in order
-    alignas(32) float l[8];
-    _mm256_store_ps(l, a[0]);
-    float s = 0.f;
-    for (int i = 0; i < 8; ++i) s += l[i];
-    return s;
-  }
 };
 
 #endif
@@ -191,13 +184,6 @@ struct FloatSums16 {
   static constexpr int kLanes = 1;
   static void zero(Lane* a) { a[0] = _mm512_setzero_ps(); }
   static void add(Lane* a, __m512i isum, __m512 scale) { a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, a[0]); }
-  static float total(const Lane* a) {  // the sixteen lanes added in order
-    alignas(64) float l[16];
-    _mm512_store_ps(l, a[0]);
-    float s = 0.f;
-    for (int i = 0; i < 16; ++i) s += l[i];
-    return s;
-  }
 };
 #define SHARDLM_Q8_WIDE 1
 #endif
@@ -240,8 +226,23 @@ __attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, c
         P::add(acc[r][j], dot_block(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
     }
   }
+  float sums[R * J];  // (r, j): the lanes added in order from zero (lane_sums8, eight pairs at a time)
+#if defined(SHARDLM_Q8_WIDE)
+  v8f low[R * J], high[R * J];  // lanes 0-7 and 8-15
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) y[(j0 + j) * n + r0 + r] = static_cast<T>(scale[r0 + r] * P::total(acc[r][j]));
+    for (int j = 0; j < J; ++j) {
+      low[r * J + j] = reinterpret_cast<v8f>(_mm512_castps512_ps256(acc[r][j][0]));
+      const __m512d wide = _mm512_castps_pd(acc[r][j][0]);
+      high[r * J + j] = reinterpret_cast<v8f>(_mm256_castpd_ps(_mm512_extractf64x4_pd(wide, 1)));
+    }
+  float first[R * J];
+  lane_sums8(low, R * J, first);
+  lane_sums8(high, R * J, sums, first);
+#else
+  lane_sums8(reinterpret_cast<const v8f*>(&acc[0][0][0]), R * J, sums);
+#endif
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) y[(j0 + j) * n + r0 + r] = static_cast<T>(scale[r0 + r] * sums[r * J + j]);
 #else
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)

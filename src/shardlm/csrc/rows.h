@@ -89,9 +89,10 @@ __attribute__((always_inline)) inline void prefetch_next_tile(const W* w, int64_
 }
 
 // out[o] = a[o][0] + a[o][1] + ... + a[o][7], added in that order from zero (as `s = 0; s += lane` does), for n
-// accumulators. With AVX2, eight at a time: an 8 x 8 transpose puts lane l of the eight in register l, so eight
-// vector adds do what 64 scalar ones did, in the same order.
-__attribute__((always_inline)) inline void lane_sums8(const v8f* a, int n, float* out) {
+// accumulators; from `from[o]` instead of zero where `from` is given (a sum that goes on into more lanes). With
+// AVX2, eight at a time: an 8 x 8 transpose puts lane l of the eight in register l, so eight vector adds do what 64
+// scalar ones did, in the same order.
+__attribute__((always_inline)) inline void lane_sums8(const v8f* a, int n, float* out, const float* from = nullptr) {
   int o = 0;
 #if defined(__AVX2__)
   for (; o + 8 <= n; o += 8) {
@@ -107,14 +108,14 @@ __attribute__((always_inline)) inline void lane_sums8(const v8f* a, int n, float
       r[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
       r[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xEE);
     }
-    __m256 s = _mm256_setzero_ps();
+    __m256 s = from ? _mm256_loadu_ps(from + o) : _mm256_setzero_ps();
     for (int m = 0; m < 4; ++m) s = _mm256_add_ps(s, _mm256_permute2f128_ps(r[m], r[m + 4], 0x20));  // lane m
     for (int m = 0; m < 4; ++m) s = _mm256_add_ps(s, _mm256_permute2f128_ps(r[m], r[m + 4], 0x31));  // lane m+4
     _mm256_storeu_ps(out + o, s);
   }
 #endif
   for (; o < n; ++o) {
-    float s = 0.f;
+    float s = from ? from[o] : 0.f;
     for (int l = 0; l < 8; ++l) s += a[o][l];
     out[o] = s;
   }
