@@ -83,3 +83,31 @@ def test_greedy_runs_compares_compiled_and_python_runs():
     row = next(line for line in out.stdout.splitlines() if line.startswith("| int4 | 1 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[2].split()[0]) > 0 and float(cells[3].split()[0]) > 0 and float(cells[4]) > 0, out.stdout
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_products_vs_commit_loads_a_tree_build_beside_this_one(fmt):
+    """`bench/products_vs_commit.py`'s parts (the whole script needs a git worktree of another commit): a tree's
+    kernels built by a child and loaded here, timing a pass of one layer's products, and the same products as this
+    process's own build."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import products_vs_commit as pvc
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import torch
+
+    from shardlm.kernels.build import extension
+    from shardlm.settings import Settings
+
+    loaded = pvc.built_kernels(ROOT)
+    own = extension(Settings.from_env().kernel_dir)
+    assert loaded.__file__ == own.__file__  # this tree's build (another tree's has a name of its own)
+    layers = [pvc.layer_weights(torch.Generator().manual_seed(1), fmt)]
+    xs = {k: torch.randn(2, k) for k in (576, 1536)}
+    assert pvc.one_pass(loaded, layers, xs, fmt) > 0
+    k, w = layers[0][-1]
+    if fmt == "int8":
+        assert torch.equal(loaded.gemv_int8(xs[k], w.q, w.scale), own.gemv_int8(xs[k], w.q, w.scale))
+    else:
+        assert torch.equal(loaded.gemv(xs[k], w), own.gemv(xs[k], w))

@@ -98,7 +98,8 @@ inline void finish_groups(const float* sums, const int* wrow, const int64_t* xro
 }
 
 // Batch 1: weight rows r0 + 2p and r0 + 2p + 1 in the two halves of register p (R rows, R / 2 registers), x's
-// split row broadcast to both halves.
+// split row broadcast to both halves. Tiles of 8 rows: 16 were faster from the caches but ~9 % slower from memory
+// (sixteen rows streamed at once and the next sixteen asked for; bench/RESULTS.md).
 template <int R>
 inline void tile_bf16_rowpairs(const uint16_t* w, int64_t ldw, const float* x, const float* xs, float* y,
                                int64_t k, int64_t r0) {
@@ -121,11 +122,17 @@ inline void tile_bf16_rowpairs(const uint16_t* w, int64_t ldw, const float* x, c
       acc[p] = _mm512_fmadd_ps(wo, xo, _mm512_fmadd_ps(we, xe, acc[p]));
     }
   }
-  if constexpr (R == 16) {
+  if constexpr (R == 8 || R == 16) {
     if (kk == k) {  // no tail columns: tile_pairs' transposes (rows.h) sum the chains in place
+      __m512 group[8];
+      for (int q = 0; q < 8; ++q) group[q] = q < R / 2 ? acc[q] : _mm512_setzero_ps();
       // pair_lane_sums puts row r's sum at element 8 (r / 8) + 4 (r % 2) + (r / 2) % 4; back to row order
       const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-      _mm512_storeu_ps(y + r0, _mm512_permutexvar_ps(order, pair_lane_sums(acc)));
+      const __m512 sums = _mm512_permutexvar_ps(order, pair_lane_sums(group));
+      if constexpr (R == 16)
+        _mm512_storeu_ps(y + r0, sums);
+      else
+        _mm256_storeu_ps(y + r0, _mm512_castps512_ps256(sums));
       return;
     }
   }
@@ -234,8 +241,7 @@ inline void rows_bf16(const uint16_t* w, const float* x, float* y, int64_t n, in
 #if defined(__AVX512F__)
   if (b == 1) {
     const float* xs = split_of(x, 1, k);
-    for (; r + 16 <= hi; r += 16) tile_bf16_rowpairs<16>(w, ldw, x, xs, y, k, r);
-    if (r + 8 <= hi) tile_bf16_rowpairs<8>(w, ldw, x, xs, y, k, r), r += 8;
+    for (; r + 8 <= hi; r += 8) tile_bf16_rowpairs<8>(w, ldw, x, xs, y, k, r);
     if (r + 4 <= hi) tile_bf16_rowpairs<4>(w, ldw, x, xs, y, k, r), r += 4;
     for (; r < hi; ++r) tile_bf16<1, 1>(w, ldw, x, xs, kk, y, n, k, r, 0);
     return;

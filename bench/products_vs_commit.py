@@ -1,0 +1,106 @@
+"""The decode products of this tree's kernels against an earlier commit's, both loaded in one process.
+
+    python bench/products_vs_commit.py --commit d92a995 [--format float32|bfloat16|int8] [--rows 1,4,16]
+                                       [--passes 16] [--caches]
+
+The bundled model's seven products of a layer (bench/decode_products.py's shapes, random weights) over 30 layers of
+distinct weights (from memory; `--caches`: one layer's weights 30 times), timed a pass at a time with the two
+builds alternating pass by pass, so that both see the same minutes of this VM's read bandwidth (it swings by 2x
+within minutes, which separate processes, as in bench/step_vs_commit.py, only average out over many rounds). The
+earlier commit is checked out as a git worktree (/tmp/shardlm-COMMIT, as bench/decode_vs_commit.py does) and its
+kernels built by a child process with that tree on PYTHONPATH; this process then loads both builds (each build is
+its own module). Prints the median and best ms of a pass over the 30 layers per build and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+from decode_products import LAYERS, SHAPES  # noqa: E402  (a sibling script)
+from decode_vs_commit import ROOT, worktree  # noqa: E402
+BUILD = ("from shardlm.kernels.build import extension; from shardlm.settings import Settings; "
+         "print(extension(Settings.from_env().kernel_dir).__file__)")
+
+
+def built_kernels(tree: Path):
+    """The compiled kernels of `tree` (built in a child with the tree's src first on the path), loaded here."""
+    out = subprocess.run([sys.executable, "-c", BUILD], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PYTHONPATH": str(tree / "src")})
+    if out.returncode != 0 or not out.stdout.strip():
+        raise SystemExit(f"the kernels of {tree} did not build:\n{out.stderr[-2000:]}")
+    path = out.stdout.strip().splitlines()[-1]
+    name = Path(path).name.split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path,
+                                                  loader=importlib.machinery.ExtensionFileLoader(name, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def layer_weights(g: torch.Generator, fmt: str) -> list:
+    """One layer's seven weights as (in features, weight in `fmt`)."""
+    from shardlm.quant import quantize_int8
+
+    out = []
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=g) * 0.02
+        out.append((k, quantize_int8(w) if fmt == "int8" else w.to(getattr(torch, fmt))))
+    return out
+
+
+def one_pass(ext, layers: list, xs: dict, fmt: str) -> float:
+    """ms of one pass over `layers` with `ext`'s products (int8: float-summed rows, gemv_int8's default)."""
+    t0 = time.perf_counter()
+    for layer in layers:
+        for k, w in layer:
+            if fmt == "int8":
+                ext.gemv_int8(xs[k], w.q, w.scale)
+            else:
+                ext.gemv(xs[k], w)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    """Build both, time them alternating, print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--commit", required=True)
+    ap.add_argument("--format", choices=("float32", "bfloat16", "int8"), default="bfloat16")
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--passes", type=int, default=16, help="passes per build and row count")
+    ap.add_argument("--caches", action="store_true", help="one layer's weights 30 times instead of 30 layers")
+    args = ap.parse_args()
+    builds = {"this tree": built_kernels(ROOT), args.commit: built_kernels(worktree(args.commit))}
+    g = torch.Generator().manual_seed(0)
+    layers = [layer_weights(g, args.format) for _ in range(1 if args.caches else LAYERS)]
+    layers = layers * (LAYERS // len(layers))
+    where = "one layer's weights 30 times (caches)" if args.caches else "30 layers (memory)"
+    print(f"{torch.get_num_threads()} threads; {args.format}; {where}; {args.passes} passes a build, alternating")
+    print(f"| rows | this tree, ms median (best) | {args.commit}, ms median (best) | this / {args.commit} |")
+    print("|---|---|---|---|")
+    names = list(builds)
+    for b in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(b, k, generator=g) for k in (576, 1536)}
+        got = {n: [] for n in names}
+        for p in range(args.passes):
+            for name in names if p % 2 else names[::-1]:
+                got[name].append(one_pass(builds[name], layers, xs, args.format))
+        med = {n: statistics.median(v) for n, v in got.items()}
+        cells = " | ".join(f"{med[n]:.2f} ({min(got[n]):.2f})" for n in names)
+        print(f"| {b} | {cells} | {med[names[0]] / med[names[1]]:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
