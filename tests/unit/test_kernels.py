@@ -100,11 +100,13 @@ def _float_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     w, x = w.float(), x.float()
     k = w.shape[1]
     kk = k - k % step
-    wl = w[:, :kk].double().reshape(w.shape[0], kk // step, step // 8, 8)  # (n, steps, terms, 8 chains)
-    xl = x[:, :kk].double().reshape(x.shape[0], kk // step, step // 8, 8)
-    if step == 16:  # columns 2m and 2m + 1 of a step are chain m's two terms
-        wl = w[:, :kk].double().reshape(w.shape[0], kk // 16, 8, 2).transpose(2, 3)
-        xl = x[:, :kk].double().reshape(x.shape[0], kk // 16, 8, 2).transpose(2, 3)
+
+    def terms(t: torch.Tensor) -> torch.Tensor:  # (rows, steps, terms, 8 chains)
+        if step == 8:  # column i + l of a step is chain l's one term
+            return t[:, :kk].double().reshape(t.shape[0], kk // 8, 1, 8)
+        return t[:, :kk].double().reshape(t.shape[0], kk // 16, 8, 2).transpose(2, 3)  # columns 2m, 2m + 1: chain m
+
+    wl, xl = terms(w), terms(x)
     acc = torch.zeros(x.shape[0], w.shape[0], 8)  # (b, n, 8) float32
     for c in range(kk // step):  # a float32 product is exact in float64: one rounding, as in an FMA
         for term in range(step // 8):
@@ -121,7 +123,7 @@ def _float_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_follows_the_documented_arithmetic_bit_for_bit(n, k, dtype, ext):
     """Every tile shape (one row, 256-bit pairs, 512-bit pairs, the lane sums) computes exactly the arithmetic
-    `rows.h` documents, so a faster tile can never change a token unnoticed."""
+    `rows.h` (float32) and `bf16rows.h` (bfloat16) document, so a faster tile can never change a token unnoticed."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(17, k, generator=g)

@@ -7,7 +7,8 @@
 // 2m (low half) and 2m + 1 (high half), so `word << 16` is column 2m as a float32 and `word & 0xFFFF0000` column
 // 2m + 1: two instructions widen sixteen values. With AVX-512 one 512-bit register holds two weight rows' words
 // (batch 1) or one row's words twice (two rows of x a register, as rows.h's tile_pairs). One thread, 1536 x 576
-// from the caches: batch 1 29.6 -> 23.8 us, 4 rows 50.2 -> 37.8, 16 rows 139.0 -> 122.7 (bench/RESULTS.md).
+// from the caches: batch 1 28.2-28.4 -> 20.3-21.6 us, 4 rows 47.3-47.9 -> 35.7-35.9, 16 rows 134.0-134.1 ->
+// 118.5-119.8 (bench/RESULTS.md, stop 47).
 //
 // The arithmetic, on every build and every tile: each output keeps eight float32 chains over k; chain m, at each
 // step of 16 columns from i, fuses w[i + 2m] * x[i + 2m] and then w[i + 2m + 1] * x[i + 2m + 1] (one rounding
@@ -122,17 +123,13 @@ inline void tile_bf16_rowpairs(const uint16_t* w, int64_t ldw, const float* x, c
       acc[p] = _mm512_fmadd_ps(wo, xo, _mm512_fmadd_ps(we, xe, acc[p]));
     }
   }
-  if constexpr (R == 8 || R == 16) {
+  if constexpr (R == 8) {
     if (kk == k) {  // no tail columns: tile_pairs' transposes (rows.h) sum the chains in place
-      __m512 group[8];
-      for (int q = 0; q < 8; ++q) group[q] = q < R / 2 ? acc[q] : _mm512_setzero_ps();
-      // pair_lane_sums puts row r's sum at element 8 (r / 8) + 4 (r % 2) + (r / 2) % 4; back to row order
+      const __m512 zero = _mm512_setzero_ps();
+      const __m512 group[8] = {acc[0], acc[1], acc[2], acc[3], zero, zero, zero, zero};
+      // pair_lane_sums puts row r's sum at element 4 (r % 2) + r / 2; back to row order
       const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-      const __m512 sums = _mm512_permutexvar_ps(order, pair_lane_sums(group));
-      if constexpr (R == 16)
-        _mm512_storeu_ps(y + r0, sums);
-      else
-        _mm256_storeu_ps(y + r0, _mm512_castps512_ps256(sums));
+      _mm256_storeu_ps(y + r0, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, pair_lane_sums(group))));
       return;
     }
   }

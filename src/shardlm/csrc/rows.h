@@ -129,8 +129,9 @@ __attribute__((always_inline)) inline void lane_sums8(const v8f* a, int n, float
 // Weight rows are `ldw` apart (>= k: an int8 weight's rows carry zero padding past its k columns).
 // While it streams its rows, the first tile of a pass asks the cache for the next R rows (prefetch_next_tile, one
 // tile ahead: about a microsecond before they are read, longer than a memory access). The hardware prefetcher
-// alone left bfloat16 rows at batch 1 and float32 rows at batch 8 waiting on memory: +10-15 % and +40 % tokens/s
-// with the hint, measured A/B on an AVX-512 host (float32 batch 1 unchanged). It changes no arithmetic.
+// alone left bfloat16 rows at batch 1 (when they ran through this tile; bf16rows.h's tiles ask alike) and float32
+// rows at batch 8 waiting on memory: +10-15 % and +40 % tokens/s with the hint, measured A/B on an AVX-512 host
+// (float32 batch 1 unchanged). It changes no arithmetic.
 template <typename W, int R, int J>
 inline void tile(const W* w, int64_t ldw, const float* x, float* y, int64_t n, int64_t k, int64_t r0, int64_t j0) {
   v8f acc[R][J];
