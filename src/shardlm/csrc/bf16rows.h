@@ -134,10 +134,7 @@ inline void tile_bf16_rowpairs(const uint16_t* w, int64_t ldw, const float* x, c
     }
   }
   v8f halves[R];  // weight row r0 + r's eight chains
-  for (int p = 0; p < R / 2; ++p) {
-    halves[2 * p] = reinterpret_cast<v8f>(_mm512_castps512_ps256(acc[p]));
-    halves[2 * p + 1] = reinterpret_cast<v8f>(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1)));
-  }
+  for (int p = 0; p < R / 2; ++p) halves_of(acc[p], halves[2 * p], halves[2 * p + 1]);
   float sums[R];
   lane_sums8(halves, R, sums);
   int wrow[R];
@@ -220,8 +217,7 @@ inline void tile_bf16_pairs(const uint16_t* w, int64_t ldw, const float* x, cons
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) {
       const int q = (r * P + p) * 2;
-      halves[q] = reinterpret_cast<v8f>(_mm512_castps512_ps256(acc[r][p]));
-      halves[q + 1] = reinterpret_cast<v8f>(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][p]), 1)));
+      halves_of(acc[r][p], halves[q], halves[q + 1]);
       wrow[q] = wrow[q + 1] = r, xrow[q] = j0 + 2 * p, xrow[q + 1] = j0 + 2 * p + 1;
     }
   float sums[R * P * 2];

@@ -230,16 +230,15 @@ __attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, c
 #if defined(SHARDLM_Q8_WIDE)
   v8f low[R * J], high[R * J];  // lanes 0-7 and 8-15
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) {
-      low[r * J + j] = reinterpret_cast<v8f>(_mm512_castps512_ps256(acc[r][j][0]));
-      const __m512d wide = _mm512_castps_pd(acc[r][j][0]);
-      high[r * J + j] = reinterpret_cast<v8f>(_mm256_castpd_ps(_mm512_extractf64x4_pd(wide, 1)));
-    }
+    for (int j = 0; j < J; ++j) halves_of(acc[r][j][0], low[r * J + j], high[r * J + j]);
   float first[R * J];
   lane_sums8(low, R * J, first);
   lane_sums8(high, R * J, sums, first);
 #else
-  lane_sums8(reinterpret_cast<const v8f*>(&acc[0][0][0]), R * J, sums);
+  v8f lanes[R * J];  // a copy, as in bf16rows.h's tile_bf16: the accumulators' own address stays untaken
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) lanes[r * J + j] = reinterpret_cast<v8f>(acc[r][j][0]);
+  lane_sums8(lanes, R * J, sums);
 #endif
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) y[(j0 + j) * n + r0 + r] = static_cast<T>(scale[r0 + r] * sums[r * J + j]);

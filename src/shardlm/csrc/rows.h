@@ -157,6 +157,12 @@ inline void tile(const W* w, int64_t ldw, const float* x, float* y, int64_t n, i
 }
 
 #if defined(__AVX512F__)
+// A 512-bit register's lanes 0-7 and 8-15 as two eight-lane vectors (for lane_sums8).
+__attribute__((always_inline)) inline void halves_of(__m512 a, v8f& low, v8f& high) {
+  low = reinterpret_cast<v8f>(_mm512_castps512_ps256(a));
+  high = reinterpret_cast<v8f>(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
 // lane_sums8 for sixteen accumulators held two to a 512-bit register, in registers: a[q] for q = r + 4 * pp holds the
 // accumulators of weight row r (0-3) with x rows 2 pp (low half) and 2 pp + 1 (high half) of a group of four x rows.
 // Each 256-bit half goes through lane_sums8's transpose at once (the in-lane shuffles work per 128 bits), and the last
@@ -240,11 +246,7 @@ inline void tile_pairs(const W* w, int64_t ldw, const float* x, const float* xp,
   }
   v8f halves[R * P * 2];  // (r, p, h): the eight lanes of pair p's row 2p + h
   for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) {
-      halves[(r * P + p) * 2] = reinterpret_cast<v8f>(_mm512_castps512_ps256(acc[r][p]));
-      halves[(r * P + p) * 2 + 1] =
-          reinterpret_cast<v8f>(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][p]), 1)));
-    }
+    for (int p = 0; p < P; ++p) halves_of(acc[r][p], halves[(r * P + p) * 2], halves[(r * P + p) * 2 + 1]);
   float sums[R * P * 2];
   lane_sums8(halves, R * P * 2, sums);
   for (int r = 0; r < R; ++r)
