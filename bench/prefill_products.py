@@ -1,11 +1,12 @@
-"""The prefill products alone (csrc/qgemm.h): float32 against int8 and int4 panels, plain and Exact, in one process.
+"""The prefill products alone: float32 panels (csrc/qgemm.h) against int8 and int4 integer panels (csrc/qpanel.h),
+plain and Exact, in one process.
 
     python bench/prefill_products.py [--rows 512] [--rounds 7] [--calls 10]
 
 The bundled model's shapes (o: 576 x 576, down: 576 x 1536, gate and up together: 3072 x 576) with random weights
 and activations, on the machine's cores. Exact is how quantized o and down projections run at every tensor-parallel
-degree (each block of 32 columns one float32 chain, the blocks added in double, so a row-parallel split adds up to
-the whole bit for bit); plain is one float32 chain per output. Every case runs once per round, cases in a fixed
+degree (each block of 32 columns one term, the terms added in double, so a row-parallel split adds up to the whole
+bit for bit); plain is one float32 chain per output. Every case runs once per round, cases in a fixed
 order, rounds repeated; the table gives the median ms of a call over rounds and the ratio to float32. The process
 takes a rank's malloc settings first (where the tree has them). It isolates what an end-to-end prefill on this VM
 cannot resolve (a few percent).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from shardlm.engine.session import model_ref
 from shardlm.models.source import ModelSource
@@ -118,3 +119,32 @@ def fused_block_inputs(dtype: torch.dtype, g: torch.Generator, rows: int, dim: i
     angle = torch.rand(rows, hd // 2, generator=g) * 6
     cos, sin = (torch.cat([f(angle)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))  # (rows, hd)
     return x, ln, ws, cos, sin
+
+
+def blocks_of_32(x: torch.Tensor) -> torch.Tensor:
+    """x (b, k) as the quantized kernels see it: each block of 32 rounded to int16 steps of its own scale,
+    max|x| / 32767."""
+    b, k = x.shape
+    kp = -(-k // 32) * 32
+    blocks = F.pad(x, (0, kp - k)).view(b, kp // 32, 32)  # (b, blocks, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    codes = torch.where(amax > 0, torch.round(blocks * (32767 / amax)), torch.zeros_like(blocks))
+    return (codes * (amax / 32767)).view(b, kp)[:, :k]  # (b, k)
+
+
+def int8_exact_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """qrows.h's `exact` arithmetic, emulated: x (b, k) quantized per block of 32 as quantize_rows does (d = max|x| /
+    32767, codes round(x * (32767 / max|x|)) in float32, ties to even), each block's integer sum of codes times
+    weight codes, times d in float32, the terms added in float64, times the row's scale; (b, n) float32."""
+    b, k = x.shape
+    kp = q.shape[1]
+    blocks = F.pad(x, (0, kp - k)).view(b, kp // 32, 32)  # (b, blocks, 32)
+    amax = blocks.abs().amax(-1)  # (b, blocks)
+    d = amax / 32767
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))  # one rounding
+    # (a Python number over a tensor is the tensor's reciprocal times the number: two roundings)
+    codes = torch.round(blocks * inv[..., None]).to(torch.int64)  # (b, blocks, 32)
+    wq = q.to(torch.int64).view(q.shape[0], kp // 32, 32)  # (n, blocks, 32)
+    isum = torch.einsum("jbc,rbc->jrb", codes, wq)  # (b, n, blocks), exact integers
+    terms = (isum.float() * d[:, None, :]).double()  # float32 products, then float64
+    return (terms.sum(-1) * scale.double()[None, :]).float()

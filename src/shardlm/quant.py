@@ -4,12 +4,13 @@ Kernels. On the CPU, our own, through the compiled kernels. Decode (one position
 q4tiles.h): each input row is quantized to int16 in blocks of 32 and meets the int8 or int4 codes in the CPU's
 integer units, so codes are never widened to float and are read once; int4 codes are stored in row tiles of 16
 that both the decode products and the prefill panels read (`pack_int4`).
-Prefill (csrc/qgemm.h, `kernels.linear.prefill_rows`): panels of 16 weight rows (32 with AVX-512) are widened
-to float32 once per call and meet the float activations in FMA tiles, as float32 weights do. The o and down
-projections (`exact`) sum in double (by blocks of 32 columns in prefill) so that tensor-parallel partial sums
-add up to the one-rank result bit for bit. Without the compiled kernels, int8 goes through PyTorch's
-`aten._weight_int8pack_mm` (bfloat16 activations) and int4 is dequantized per product. On CUDA, PyTorch's
-`_weight_int8pack_mm` and the tinygemm int4 kernel `aten._weight_int4pack_mm` (sm80 and later), the ones
+Prefill (csrc/qpanel.h, `kernels.linear.prefill_rows`): the input rows are quantized as in decode, and panels of
+16 weight rows (32 with AVX-512) are widened to int16 pairs once per call and meet them in integer register tiles
+(VNNI's dot products where the CPU has them), with decode's arithmetic per output: int4 prefill gives decode's
+numbers bit for bit, int8's o and down projections too. The o and down projections (`exact`) sum in double (one
+term a block of 32 columns) so that tensor-parallel partial sums add up to the one-rank result bit for bit.
+Without the compiled kernels, int8 goes through PyTorch's `aten._weight_int8pack_mm` (bfloat16 activations) and
+int4 is dequantized per product. On CUDA, PyTorch's `_weight_int8pack_mm` and the tinygemm int4 kernel `aten._weight_int4pack_mm` (sm80 and later), the ones
 torchao's weight-only layouts dispatch to. We call them directly rather than through torchao: torchao 0.18's
 int4 weight-only has no CPU layout (its plain format needs a CUDA-only library, plain_int32 refuses CPU
 tensors; tried on this machine), and importing it tries to load its CUDA extensions.

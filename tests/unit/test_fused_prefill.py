@@ -107,7 +107,10 @@ def test_fused_prefill_matches_modules(name, quantization, random_dirs):
     want, _ = _logits(rank, prompts, fused=False)
     got, calls = _logits(rank, prompts, fused=True)
     assert calls == rank.args.n_layers
-    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    # int8 and int4 products quantize their input rows (csrc/qpanel.h): the fused norms' last bits can move an input
+    # that lies near half a step of its block's scale to the other int16 code, one part in 65534 of the block's max
+    tol = 1e-4 if quantization == "none" else 1e-3
+    assert (got - want).abs().max() <= tol * want.abs().max()
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 

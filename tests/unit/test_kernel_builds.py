@@ -1,7 +1,7 @@
 """The kernels built for older CPUs than this one (AVX2 without AVX-512; no AVX at all) on this machine: each build
 names its instructions, and the int4 row tiles and the int8 exact sums give the native build's numbers bit for bit
-(one arithmetic on every build, q4tiles.h and qrows.h), for decode and prefill row counts, split and whole; prefill
-panels equal wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512;
+(one arithmetic on every build, q4tiles.h and qrows.h), for decode and prefill row counts, split and whole, as do
+the int8 and int4 prefill panels (qpanel.h); float prefill panels equal wherever the CPU has FMA; float decode rows (256-bit tiles on AVX2, 512-bit pairs of rows on AVX-512;
 bfloat16 rows 16 columns a step, bf16rows.h) and prefill attention (8- or 16-lane tiles), and the fused decode
 blocks, equal wherever the CPU has FMA; greedy argmax equal to torch's on every build."""
 
@@ -40,15 +40,15 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
     part = quantize_int4(w[:, 40:], 40, 200)  # a row-parallel slice starting inside a group
     assert torch.equal(ext.gemm_int4(x[:, 40:], *part.kernel_args(), wide=True),
                        native.gemm_int4(x[:, 40:], *part.kernel_args(), wide=True))
-    many = torch.randn(40, 200, generator=g)  # prefill: dequantized panels, one FMA chain per output
-    got, want = ext.prefill_int4(many, *whole.kernel_args()), native.prefill_int4(many, *whole.kernel_args())
-    if "fma" in needs:
-        assert torch.equal(got, want)
-        for exact, wide in ((True, False), (False, True)):  # block chains added in double: half-vectors widened
-            assert torch.equal(ext.prefill_int4(many, *whole.kernel_args(), exact, wide),
-                               native.prefill_int4(many, *whole.kernel_args(), exact, wide)), (exact, wide)
-    else:  # no FMA instruction: each product is rounded before its add, so the chains differ in the last bits
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    many = torch.randn(40, 200, generator=g)  # prefill: integer panels, decode's arithmetic, equal on every build
+    q8 = quantize_int8(w)
+    for exact, wide in ((False, False), (True, False), (False, True)):
+        assert torch.equal(ext.prefill_int4(many, *whole.kernel_args(), exact, wide),
+                           native.prefill_int4(many, *whole.kernel_args(), exact, wide)), (exact, wide)
+        assert torch.equal(ext.prefill_int8(many, q8.q, q8.scale, exact, wide),
+                           native.prefill_int8(many, q8.q, q8.scale, exact, wide)), (exact, wide)
+    assert torch.equal(ext.prefill_int4(many[:, 40:], *part.kernel_args(), False, True),
+                       native.prefill_int4(many[:, 40:], *part.kernel_args(), False, True))
     logits = torch.randn(6, 1003, generator=g).round()  # greedy sampling: torch's argmax (first tie, first NaN)
     logits[2, 500:] = float("nan")
     for rows in (1, 6):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refs import fused_block_inputs
+from refs import blocks_of_32, fused_block_inputs, int8_exact_reference
 from shardlm import kernels
 from shardlm.kernels.linear import LinearOps, OneDNNWeight
 from shardlm.settings import Settings, SettingsError
@@ -133,17 +133,6 @@ def test_gemv_follows_the_documented_arithmetic_bit_for_bit(n, k, dtype, ext):
         assert torch.equal(ext.gemv(x[:b], w), want[:b]), b
 
 
-def _blocks_of_32(x: torch.Tensor) -> torch.Tensor:
-    """x (b, k) as the quantized kernels see it: each block of 32 rounded to int16 steps of its own scale,
-    max|x| / 32767."""
-    b, k = x.shape
-    kp = -(-k // 32) * 32
-    blocks = F.pad(x, (0, kp - k)).view(b, kp // 32, 32)  # (b, blocks, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    codes = torch.where(amax > 0, torch.round(blocks * (32767 / amax)), torch.zeros_like(blocks))
-    return (codes * (amax / 32767)).view(b, kp)[:, :k]  # (b, k)
-
-
 @pytest.mark.parametrize("n,k", [(301, 577), (96, 1000), (5, 40), (64, 32)])
 def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
     """Integer dot products: equal to float arithmetic on the dequantized weight and the block-quantized input,
@@ -156,7 +145,7 @@ def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
     x = torch.randn(16, k, generator=g)
     x[3, :7] = 0  # a block that starts with zeros
     got = ext.gemv_int8(x, qw.q, qw.scale)
-    seen = _blocks_of_32(x) @ dequantized.T  # an input on a rounding tie may land one int16 step off: 1e-4
+    seen = blocks_of_32(x) @ dequantized.T  # an input on a rounding tie may land one int16 step off: 1e-4
     assert (got - seen).abs().max() <= 1e-4 * seen.abs().max()
     want = x @ dequantized.T
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()  # the input's own rounding, 1/65534 of a block max
@@ -170,24 +159,6 @@ def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
     assert (qw.matmul_t(many) - want).abs().max() <= 1e-3 * want.abs().max()
 
 
-def _int8_exact_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """qrows.h's `exact` arithmetic, emulated: x (b, k) quantized per block of 32 as quantize_rows does (d = max|x| /
-    32767, codes round(x * (32767 / max|x|)) in float32, ties to even), each block's integer sum of codes times
-    weight codes, times d in float32, the terms added in float64, times the row's scale; (b, n) float32."""
-    b, k = x.shape
-    kp = q.shape[1]
-    blocks = F.pad(x, (0, kp - k)).view(b, kp // 32, 32)  # (b, blocks, 32)
-    amax = blocks.abs().amax(-1)  # (b, blocks)
-    d = amax / 32767
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))  # one rounding
-    # (a Python number over a tensor is the tensor's reciprocal times the number: two roundings)
-    codes = torch.round(blocks * inv[..., None]).to(torch.int64)  # (b, blocks, 32)
-    wq = q.to(torch.int64).view(q.shape[0], kp // 32, 32)  # (n, blocks, 32)
-    isum = torch.einsum("jbc,rbc->jrb", codes, wq)  # (b, n, blocks), exact integers
-    terms = (isum.float() * d[:, None, :]).double()  # float32 products, then float64
-    return (terms.sum(-1) * scale.double()[None, :]).float()
-
-
 @pytest.mark.parametrize("n,k", [(37, 200), (20, 576), (9, 1000), (5, 40)])
 def test_int8_exact_sums_follow_the_documented_arithmetic(n, k, ext):
     """The o and down products' int8 sums (exact: one float64 term a block) are qrows.h's arithmetic bit for bit,
@@ -197,7 +168,7 @@ def test_int8_exact_sums_follow_the_documented_arithmetic(n, k, ext):
     g = torch.Generator().manual_seed(9)
     qw = quantize_int8(torch.randn(n, k, generator=g))
     x = torch.randn(6, k, generator=g)
-    want = _int8_exact_reference(x, qw.q, qw.scale)
+    want = int8_exact_reference(x, qw.q, qw.scale)
     assert not torch.equal(want, ext.gemv_int8(x, qw.q, qw.scale)) or k <= 40, "float lane sums must be able to differ"
     for b in (1, 2, 6):
         assert torch.equal(ext.gemv_int8(x[:b], qw.q, qw.scale, exact=True), want[:b]), b
@@ -229,7 +200,7 @@ def test_int4_gemm_equals_the_dequantized_weight(n, k, start, ext):
     dequantized = qw.dequantized()  # (n, k)
     x = torch.randn(40, k, generator=g)
     padded = F.pad(x, (qw.pad_left, qw.pad_right))  # the kernel quantizes the input where the groups fall
-    seen = _blocks_of_32(padded)[:, qw.pad_left:qw.pad_left + k]
+    seen = blocks_of_32(padded)[:, qw.pad_left:qw.pad_left + k]
     got = ext.gemm_int4(x, *qw.kernel_args())
     seen = seen @ dequantized.T
     assert (got - seen).abs().max() <= 1e-4 * seen.abs().max()

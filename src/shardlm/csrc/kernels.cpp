@@ -1,7 +1,7 @@
 // The compiled CPU decode kernels (one extension module, built once per machine by shardlm.kernels):
 // `gemv` here, the fused attention / MLP halves of a block in decode.h (every block in one call: stack.h), the
-// integer decode products with int8 and int4 weights in qrows.h and their prefill products (dequantized panels)
-// in qgemm.h.
+// integer decode products with int8 and int4 weights in qrows.h and q4tiles.h, their prefill products in integer
+// panels (qpanel.h), and the float prefill panels (qgemm.h).
 //
 // gemv: y[b, n] = sum_k x[b, k] * w[n, k] for a few rows b.
 //
@@ -24,6 +24,7 @@
 #include "prefill_attn.h"
 #include "prefill_ops.h"
 #include "qgemm.h"
+#include "qpanel.h"
 #include "stack.h"
 
 // The rows of x (..., k) as contiguous float32 (b, k) (copied only if not float32 or not contiguous), and the shape
@@ -111,52 +112,68 @@ torch::Tensor gemm_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor s
   return y.view(lead).to(x_in.scalar_type());
 }
 
-// The prefill products (qgemm.h) for x (..., k) float32 or bfloat16 whose k columns sit at [pad_left, pad_left + k)
-// of a kp-wide weight: x copied into zero-padded float rows, then `widen`'s panels; `exact` and `wide` as above
-// (`wide` sums by blocks in double, as `exact` does).
+// The float prefill products (qgemm.h) for x (..., k) float32 or bfloat16 and a kp-wide weight (kp >= k; zeros
+// past k): x copied into zero-padded float rows where kp > k, then `widen`'s panels.
 template <typename Widen>
-torch::Tensor panel_product(const torch::Tensor& x_in, int64_t kp, int64_t pad_left, int64_t n, bool exact, bool wide,
-                            const Widen& widen) {
+torch::Tensor panel_product(const torch::Tensor& x_in, int64_t kp, int64_t n, const Widen& widen) {
   const int64_t k = x_in.size(-1);
   const auto lead = out_shape(x_in, n);
   torch::Tensor x;
-  if (pad_left == 0 && kp == k) {  // no padding: float rows as they are
+  if (kp == k) {  // no padding: float rows as they are
     x = float_rows(x_in);
   } else {
     x = torch::zeros({x_in.numel() / std::max<int64_t>(k, 1), kp}, x_in.options().dtype(torch::kFloat));
-    x.narrow(1, pad_left, k).copy_(x_in.reshape({-1, k}));  // (b, kp): zeros meet the weight's zero columns
+    x.narrow(1, 0, k).copy_(x_in.reshape({-1, k}));  // (b, kp): zeros meet the weight's zero columns
   }
-  const int64_t b = x.size(0);
-  if (wide) {
-    auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
-    shardlm::panel_gemm<double>(x.data_ptr<float>(), b, kp, n, true, y.data_ptr<double>(), widen);  // wide: exact
-    return y.view(lead);
-  }
-  auto y = torch::empty({b, n}, x.options());
-  shardlm::panel_gemm<float>(x.data_ptr<float>(), b, kp, n, exact, y.data_ptr<float>(), widen);
+  auto y = torch::empty({x.size(0), n}, x.options());
+  shardlm::panel_gemm(x.data_ptr<float>(), x.size(0), kp, n, y.data_ptr<float>(), widen);
   return y.view(lead).to(x_in.scalar_type());
 }
 
-// Prefill with an int8 weight: the arguments of gemv_int8, computed by dequantized panels (qgemm.h).
+// Prefill with an int8 weight: the arguments of gemv_int8. The rows of x are quantized as gemv_int8 quantizes them
+// and meet int16 panels of the codes in the integer units (qpanel.h).
 torch::Tensor prefill_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "prefill_int8: contiguous int8 (n, kq)");
   const int64_t n = q.size(0), k = x_in.size(-1), kq = q.size(1);
   TORCH_CHECK(kq == (k + shardlm::QBLOCK - 1) / shardlm::QBLOCK * shardlm::QBLOCK && scale.numel() == n,
               "prefill_int8: shapes (..., k), (n, k rounded up to 32), (n,) expected; got k = ", k, ", codes ",
               q.sizes(), ", ", scale.numel(), " scales");
-  const auto scale32 = scale.to(torch::kFloat).contiguous();
+  const auto x = float_rows(x_in), scale32 = scale.to(torch::kFloat).contiguous();
+  const int64_t b = x.size(0);
+  shardlm::QuantRows xq;
+  shardlm::quantize_rows_parallel(x.data_ptr<float>(), b, k, 0, kq, xq);
   const int8_t* w = q.data_ptr<int8_t>();
   const float* s = scale32.data_ptr<float>();
-  return panel_product(x_in, kq, 0, n, exact, wide,
-                       [&](int64_t r0, float* out) { shardlm::widen_panel_int8(w, kq, s, n, r0, out); });
+  const auto lead = out_shape(x_in, n);
+  if (wide) {
+    auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
+    shardlm::qpanel_gemm<double, false>(w, s, nullptr, n, xq, b, true, y.data_ptr<double>());
+    return y.view(lead);
+  }
+  auto y = torch::empty({b, n}, x.options());
+  shardlm::qpanel_gemm<float, false>(w, s, nullptr, n, xq, b, exact, y.data_ptr<float>());
+  return y.view(lead).to(x_in.scalar_type());
 }
 
-// Prefill with an int4 weight: the arguments of gemm_int4, computed by dequantized panels (qgemm.h).
+// Prefill with an int4 weight: the arguments of gemm_int4. The rows of x are quantized as gemm_int4 quantizes them
+// and meet int16 panels of the codes in the integer units (qpanel.h), with gemm_int4's arithmetic per output.
 torch::Tensor prefill_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, int64_t n,
                            bool exact, bool wide) {
-  const shardlm::Int4Tiles w = shardlm::int4_tiles(codes, sz, n, x_in.size(-1), pad_left, "prefill_int4");
-  return panel_product(x_in, w.groups * shardlm::QBLOCK, pad_left, n, exact, wide,
-                       [&](int64_t r0, float* out) { shardlm::widen_panel_int4(w, r0, out); });
+  const int64_t k = x_in.size(-1);
+  const shardlm::Int4Tiles w = shardlm::int4_tiles(codes, sz, n, k, pad_left, "prefill_int4");
+  const auto x = float_rows(x_in);
+  const int64_t b = x.size(0);
+  shardlm::QuantRows xq;
+  shardlm::quantize_rows_parallel(x.data_ptr<float>(), b, k, pad_left, w.groups * shardlm::QBLOCK, xq);
+  const auto lead = out_shape(x_in, n);
+  if (wide) {
+    auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
+    shardlm::qpanel_gemm<double, true>(nullptr, nullptr, &w, n, xq, b, true, y.data_ptr<double>());
+    return y.view(lead);
+  }
+  auto y = torch::empty({b, n}, x.options());
+  shardlm::qpanel_gemm<float, true>(nullptr, nullptr, &w, n, xq, b, exact, y.data_ptr<float>());
+  return y.view(lead).to(x_in.scalar_type());
 }
 
 // Prefill with a float32 or bfloat16 weight (n, k): x (..., k) -> (..., n) in x's dtype, each output one FMA chain
@@ -167,7 +184,7 @@ torch::Tensor prefill_float_t(const torch::Tensor& x_in, const torch::Tensor& w,
   const int64_t n = w.size(0), k = w.size(1), kp = (k + 7) / 8 * 8;
   const W* wp = shardlm::data<W>(w);
   if (x_in.numel() / std::max<int64_t>(k, 1) > few_rows)
-    return panel_product(x_in, kp, 0, n, false, false,
+    return panel_product(x_in, kp, n,
                          [&](int64_t r0, float* out) { shardlm::widen_panel_float(wp, k, kp, n, r0, out); });
   const auto x = float_rows(x_in);  // (b, k)
   auto y = torch::empty({x.size(0), n}, x.options());
@@ -298,9 +315,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("wide") = false);
   m.def("prefill_float", &prefill_float, "many-row product with float32 or bfloat16 weights (in place for a few rows, "
         "else through panels)", py::arg("x"), py::arg("w"), py::arg("few_rows") = shardlm::FEW_ROWS);
-  m.def("prefill_int8", &prefill_int8, "many-row product with int8 weights through dequantized panels",
+  m.def("prefill_int8", &prefill_int8, "many-row product with int8 weights through integer panels",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
-  m.def("prefill_int4", &prefill_int4, "many-row product with int4 weights through dequantized panels",
+  m.def("prefill_int4", &prefill_int4, "many-row product with int4 weights through integer panels",
         py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");

@@ -1,35 +1,25 @@
-// Prefill products with float32, bfloat16, int8 and int4 weights: widen a panel of weight rows to float32 once,
-// multiply it in FMA tiles.
+// Prefill products with float32 and bfloat16 weights: widen a panel of weight rows to float32 once, multiply it in
+// FMA tiles. (int8 and int4 weights: qpanel.h, in the integer units.)
 //
-// Decode (rows.h, qrows.h) reads each weight once per token and is bound by memory; for int8/int4 its codes meet
-// int16 activations in the integer units. A prefill of many tokens is bound by arithmetic instead: there the
-// integer loop (five vector operations per 32 products and activation quantization) ran at about half of
-// float32's speed, and this tiling beats MKL's sgemm on the shapes measured (bench/RESULTS.md notes). Here a
+// Decode (rows.h) reads each weight once per token and is bound by memory. A prefill of many tokens is bound by
+// arithmetic instead, and this tiling beats MKL's sgemm on the shapes measured (bench/RESULTS.md notes). Here a
 // panel of PANEL weight rows (16, or 32 with AVX-512) is widened to float32 once per call into a thread's buffer
-// laid out [k][PANEL] (the codes times their scales: exact in float32 for int8; (q - 8) * scale + zero for int4,
-// as Int4Weight.dequantized computes it), and a register tile of MR activation rows by PANEL weight rows runs
-// FMAs over k: two vector loads and MR broadcasts feed 2 * MR FMAs. (A float pass of a few rows skips the widening:
-// fewrows.h runs the same chains over the weight in place.)
+// laid out [k][PANEL], and a register tile of MR activation rows by PANEL weight rows runs FMAs over k: two vector
+// loads and MR broadcasts feed 2 * MR FMAs. (A pass of a few rows skips the widening: fewrows.h runs the same
+// chains over the weight in place.)
 //
 // Each output keeps one float32 lane whose FMA chain runs over k in order, whatever the number of rows, the
 // tile or the panel it falls in: a token's result does not depend on the batch or the chunk around it, nor
-// on how many weight rows a column-parallel rank holds. Weights whose rows tensor parallelism splits by input
-// column (`Exact`: o and down projections) restart the chain at every block of 32 columns and add the block
-// terms in double: the blocks are whole on every layout (the split keeps them whole), so a row-parallel rank's
-// partial sums, all-reduced in double, round to the one-rank result (as in qrows.h). Activations are not
-// quantized here, so a prefill differs from a decode of the same tokens in the last bits, as float32's
-// F.linear prefill differs from its decode loop.
+// on how many weight rows a column-parallel rank holds.
 #pragma once
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
-#include "q4tiles.h"
-#include "qrows.h"
+#include "rows.h"
 
 namespace shardlm {
 
@@ -52,8 +42,6 @@ constexpr int64_t VL = sizeof(vpf) / sizeof(float);
 constexpr int64_t PANEL = 2 * VL;  // weight rows a panel holds: two vectors
 constexpr int64_t PANEL_CHUNK_BYTES = 512 * 1024;  // panels a thread widens before it runs the rows over them
 
-typedef float vhf __attribute__((vector_size(sizeof(vpf) / 2)));  // half a tile vector: VL / 2 floats
-typedef double vpd __attribute__((vector_size(sizeof(vpf))));      // the same VL / 2 values as doubles
 
 // *p in every lane: one broadcast load. (`vpf{} + *p` compiled to a scalar add of zero and a register broadcast,
 // two extra instructions per row and column of a tile. The sign of a zero x cannot matter: the accumulators
@@ -73,8 +61,6 @@ inline vpf load_p(const float* p) {
   return v;
 }
 
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
-typedef int32_t v8i32 __attribute__((vector_size(32)));
 
 // Eight rows of eight floats (rows[i] = row i) written as eight columns: out[c * PANEL + i] = rows[i][c].
 inline void store_transposed(const v8f* rows, float* out) {
@@ -113,47 +99,6 @@ inline void widen_panel(int64_t kp, int64_t n, int64_t r0, float* out, const Row
     }
 }
 
-// An int8 weight (rows kp apart, one scale a row): the codes times their row's scale (exact in float32).
-inline void widen_panel_int8(const int8_t* q, int64_t kp, const float* scale, int64_t n, int64_t r0, float* out) {
-  widen_panel(kp, n, r0, out, [&](int64_t r, int64_t k) { return load8<int8_t>(q + r * kp + k) * scale[r]; });
-}
-
-// An int4 weight in q4tiles.h's row tiles: (q - 8) * scale + zero, as Int4Weight.dequantized computes it, 16 rows
-// (one tile) at a time: a chunk's two bytes per row hold four of its columns (q4tiles.h), each one vector of 16
-// rows after a shift and a mask. Rows past the weight's tiles are zeros.
-inline void widen_panel_int4(const Int4Tiles& w, int64_t r0, float* out) {
-  typedef int32_t v16i __attribute__((vector_size(64)));
-  typedef float v16f __attribute__((vector_size(64)));
-  typedef uint16_t v16u __attribute__((vector_size(32)));
-  const int64_t kp = w.groups * QBLOCK;
-  for (int64_t part = 0; part < PANEL; part += Q4TILE) {
-    const int64_t t = (r0 + part) / Q4TILE;
-    if (t >= w.tiles()) {
-      for (int64_t k = 0; k < kp; ++k) std::fill(out + k * PANEL + part, out + k * PANEL + part + Q4TILE, 0.f);
-      continue;
-    }
-    for (int64_t g = 0; g < w.groups; ++g) {
-      v16u sb, zb;
-      std::memcpy(&sb, w.sz_at(t, g), sizeof(sb));
-      std::memcpy(&zb, w.sz_at(t, g) + Q4TILE, sizeof(zb));
-      // bfloat16 bits in the high half of a float32
-      const v16f s = reinterpret_cast<v16f>(__builtin_convertvector(sb, v16i) << 16);
-      const v16f z = reinterpret_cast<v16f>(__builtin_convertvector(zb, v16i) << 16);
-      for (int64_t ch = 0; ch < Q4CHUNKS; ++ch) {
-        v16u pair;  // row i's two bytes of the chunk
-        std::memcpy(&pair, w.at(t, g) + 32 * ch, sizeof(pair));
-        const v16i v = __builtin_convertvector(pair, v16i);
-        const int64_t cols[4] = {2 * ch, 2 * ch + 1, 16 + 2 * ch, 17 + 2 * ch};
-        const v16i q[4] = {v & 15, (v >> 8) & 15, (v >> 4) & 15, (v >> 12) & 15};
-        for (int c = 0; c < 4; ++c) {
-          const v16f deq = __builtin_convertvector(q[c] - 8, v16f) * s + z;
-          std::memcpy(out + (g * QBLOCK + cols[c]) * PANEL + part, &deq, sizeof(deq));
-        }
-      }
-    }
-  }
-}
-
 // A float32 or bfloat16 weight (n, k), rows k apart; columns past k (up to kp, a multiple of 8) as zeros.
 template <typename W>
 inline void widen_panel_float(const W* w, int64_t k, int64_t kp, int64_t n, int64_t r0, float* out) {
@@ -165,76 +110,38 @@ inline void widen_panel_float(const W* w, int64_t k, int64_t kp, int64_t n, int6
   });
 }
 
-// Adds the lanes of `a` to two double vectors: lanes [0, VL / 2) to out[0], the others to out[1]. With AVX-512 each
-// half is widened by one 512-bit conversion (GCC's generic conversion of 8 floats, tuned for 256-bit vectors, took
-// two 128-bit conversions, an extract and an insert per half); the sums are the same either way.
-inline void add_lanes(const vpf& a, vpd* out) {
-#if defined(__AVX512F__)
-  const __m512 v = reinterpret_cast<__m512>(a);
-  const __m256 low = _mm512_castps512_ps256(v);
-  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  out[0] += reinterpret_cast<vpd>(_mm512_cvtps_pd(low));
-  out[1] += reinterpret_cast<vpd>(_mm512_cvtps_pd(high));
-#else
-  vhf half[2];
-  std::memcpy(half, &a, sizeof(a));
-  out[0] += __builtin_convertvector(half[0], vpd);
-  out[1] += __builtin_convertvector(half[1], vpd);
-#endif
-}
-
 // y[j, c] for R rows of x (rows ldx apart, kp columns) against one widened panel; `cols` of its PANEL outputs are
-// kept (the last panel of a weight may be short). Output rows are ldy apart. T: float, or double for the
-// partial sums of an Exact weight that ranks add up.
-template <typename T, bool Exact, int R>
-inline void panel_tile(const float* x, int64_t ldx, int64_t kp, const float* panel, T* y, int64_t ldy, int64_t cols) {
+// kept (the last panel of a weight may be short). Output rows are ldy apart.
+template <int R>
+inline void panel_tile(const float* x, int64_t ldx, int64_t kp, const float* panel, float* y, int64_t ldy,
+                       int64_t cols) {
   vpf acc[R][2];
-  vpd total[R][4] = {};  // Exact: the block terms' running sums, VL / 2 columns a vector
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vpf{};
-  const int64_t step = Exact ? QBLOCK : kp;  // Exact: one chain per block of 32, added up in double
-  for (int64_t k0 = 0; k0 < kp; k0 += step) {
-    for (int64_t k = k0; k < k0 + step; ++k) {
-      const vpf w0 = load_p(panel + k * PANEL), w1 = load_p(panel + k * PANEL + VL);
-      for (int r = 0; r < R; ++r) {
-        const vpf xb = splat_p(x + r * ldx + k);  // x[r, k] in every lane
-        acc[r][0] = fma_p(w0, xb, acc[r][0]);
-        acc[r][1] = fma_p(w1, xb, acc[r][1]);
-      }
-    }
-    if constexpr (Exact) {
-      for (int r = 0; r < R; ++r) {
-        add_lanes(acc[r][0], total[r]);
-        add_lanes(acc[r][1], total[r] + 2);
-        acc[r][0] = acc[r][1] = vpf{};
-      }
+  for (int64_t k = 0; k < kp; ++k) {
+    const vpf w0 = load_p(panel + k * PANEL), w1 = load_p(panel + k * PANEL + VL);
+    for (int r = 0; r < R; ++r) {
+      const vpf xb = splat_p(x + r * ldx + k);  // x[r, k] in every lane
+      acc[r][0] = fma_p(w0, xb, acc[r][0]);
+      acc[r][1] = fma_p(w1, xb, acc[r][1]);
     }
   }
-  if constexpr (!Exact && std::is_same_v<T, float>) {
-    if (cols == PANEL) {  // a whole panel's outputs: two vector stores a row
-      for (int r = 0; r < R; ++r) {
-        std::memcpy(y + r * ldy, &acc[r][0], sizeof(vpf));
-        std::memcpy(y + r * ldy + VL, &acc[r][1], sizeof(vpf));
-      }
-      return;
+  if (cols == PANEL) {  // a whole panel's outputs: two vector stores a row
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(y + r * ldy, &acc[r][0], sizeof(vpf));
+      std::memcpy(y + r * ldy + VL, &acc[r][1], sizeof(vpf));
     }
+    return;
   }
   for (int r = 0; r < R; ++r) {  // through arrays: indexing the vectors by a runtime column would keep them in
-    if constexpr (!Exact) {      // memory for the whole loop
-      float lanes[PANEL];
-      std::memcpy(lanes, &acc[r][0], sizeof(vpf));
-      std::memcpy(lanes + VL, &acc[r][1], sizeof(vpf));
-      for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = static_cast<T>(lanes[c]);
-    } else {
-      double lanes[PANEL];
-      std::memcpy(lanes, total[r], sizeof(lanes));
-      for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = static_cast<T>(lanes[c]);
-    }
+    float lanes[PANEL];          // memory for the whole loop
+    std::memcpy(lanes, &acc[r][0], sizeof(vpf));
+    std::memcpy(lanes + VL, &acc[r][1], sizeof(vpf));
+    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = lanes[c];
   }
 }
 
 // Every row of x (b rows of kp) against panels [p0, p1) of a widened chunk (panel p at chunk + (p - p0) * kp * PANEL).
-template <typename T, bool Exact>
-inline void chunk_rows(const float* x, int64_t b, int64_t kp, const float* chunk, int64_t p0, int64_t p1, T* y,
+inline void chunk_rows(const float* x, int64_t b, int64_t kp, const float* chunk, int64_t p0, int64_t p1, float* y,
                        int64_t n) {
   constexpr int64_t rows_block = 48;  // rows of x kept hot while the chunk's panels pass over them
   for (int64_t j0 = 0; j0 < b; j0 += rows_block) {
@@ -243,21 +150,21 @@ inline void chunk_rows(const float* x, int64_t b, int64_t kp, const float* chunk
       const float* panel = chunk + (p - p0) * kp * PANEL;
       const int64_t c0 = p * PANEL, cols = std::min(PANEL, n - c0);
       int64_t j = j0;
-      for (; j + MR <= j1; j += MR) panel_tile<T, Exact, MR>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
+      for (; j + MR <= j1; j += MR) panel_tile<MR>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
       // the rows left: in tiles of 8, 4 and 2 before single rows (each row of a single-row tile loads the panel once)
       if constexpr (MR > 8)
-        if (j + 8 <= j1) panel_tile<T, Exact, 8>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 8;
-      if (j + 4 <= j1) panel_tile<T, Exact, 4>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 4;
-      if (j + 2 <= j1) panel_tile<T, Exact, 2>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 2;
-      for (; j < j1; ++j) panel_tile<T, Exact, 1>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
+        if (j + 8 <= j1) panel_tile<8>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 8;
+      if (j + 4 <= j1) panel_tile<4>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 4;
+      if (j + 2 <= j1) panel_tile<2>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 2;
+      for (; j < j1; ++j) panel_tile<1>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
     }
   }
 }
 
 // y (b, n) = x (b, kp) @ W^T for a weight whose panels `widen(r0, out)` writes: threads split the panels, each
 // widens a chunk of them at a time into its own buffer and runs every row of x over it.
-template <typename T, typename Widen>
-inline void panel_gemm(const float* x, int64_t b, int64_t kp, int64_t n, bool exact, T* y, const Widen& widen) {
+template <typename Widen>
+inline void panel_gemm(const float* x, int64_t b, int64_t kp, int64_t n, float* y, const Widen& widen) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
   const int64_t per_chunk = std::max<int64_t>(1, PANEL_CHUNK_BYTES / (kp * PANEL * 4));
   at::parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
@@ -265,10 +172,7 @@ inline void panel_gemm(const float* x, int64_t b, int64_t kp, int64_t n, bool ex
     for (int64_t p0 = lo; p0 < hi; p0 += per_chunk) {
       const int64_t p1 = std::min(hi, p0 + per_chunk);
       for (int64_t p = p0; p < p1; ++p) widen(p * PANEL, chunk.data() + (p - p0) * kp * PANEL);
-      if (exact)
-        chunk_rows<T, true>(x, b, kp, chunk.data(), p0, p1, y, n);
-      else
-        chunk_rows<T, false>(x, b, kp, chunk.data(), p0, p1, y, n);
+      chunk_rows(x, b, kp, chunk.data(), p0, p1, y, n);
     }
   });
 }

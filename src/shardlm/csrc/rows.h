@@ -31,7 +31,6 @@ inline float load<int8_t>(const int8_t* p, int64_t i) { return static_cast<float
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
-typedef int8_t v8i8 __attribute__((vector_size(8)));
 
 // a * b + c, fused where the CPU has FMA. The build turns implicit contraction off (-ffp-contract=off) so
 // that every copy of a loop rounds the same way; the hot loops ask for FMA here, explicitly.
@@ -64,17 +63,6 @@ inline v8f load8<uint16_t>(const uint16_t* p) {  // bfloat16: the high half of a
   v8f v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
-}
-
-template <>
-inline v8f load8<int8_t>(const int8_t* p) {  // int8 codes, widened to float32 (the row's scale comes after)
-#if defined(__AVX2__)
-  const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return reinterpret_cast<v8f>(_mm256_cvtepi32_ps(wide));
-#endif
-  v8i8 c;
-  std::memcpy(&c, p, sizeof(c));
-  return __builtin_convertvector(c, v8f);
 }
 
 // At column i of a tile of R rows from r0, where i starts a cache line: ask for that line of each of the next R
