@@ -1,7 +1,7 @@
 """The prefill products alone: float32 panels (csrc/qgemm.h) against int8 and int4 integer panels (csrc/qpanel.h),
 plain and Exact, in one process.
 
-    python bench/prefill_products.py [--rows 512] [--rounds 7] [--calls 10]
+    python bench/prefill_products.py [--rows 512] [--rounds 7] [--calls 10] [--arch haswell]
 
 The bundled model's shapes (o: 576 x 576, down: 576 x 1536, gate and up together: 3072 x 576) with random weights
 and activations, on the machine's cores. Exact is how quantized o and down projections run at every tensor-parallel
@@ -9,14 +9,17 @@ degree (each block of 32 columns one term, the terms added in double, so a row-p
 bit for bit); plain is one float32 chain per output. Every case runs once per round, cases in a fixed
 order, rounds repeated; the table gives the median ms of a call over rounds and the ratio to float32. The process
 takes a rank's malloc settings first (where the tree has them). It isolates what an end-to-end prefill on this VM
-cannot resolve (a few percent).
+cannot resolve (a few percent). `--arch haswell` times the kernels built for AVX2 CPUs (no AVX-512) on this one,
+built into a scratch folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,17 +47,24 @@ def cases(ext, rows: int) -> dict:
 
 
 def main() -> None:
-    """Time every case and print the table."""
+    """Parse the flags, build or load the kernels, time them."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=512, help="activation rows (prompt tokens) a call")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=10, help="calls timed together in a sample")
+    ap.add_argument("--arch", default="native", help="the kernels' -march: native (this CPU's) or haswell (AVX2)")
     args = ap.parse_args()
     from shardlm.runtime import worker
 
     if hasattr(worker, "set_malloc"):  # as a rank does: the products' outputs and panels reuse heap pages
         worker.set_malloc(False)
-    ext = extension(Settings().kernel_dir)
+    with tempfile.TemporaryDirectory(prefix=f"shardlm-{args.arch}-") as scratch:  # a build for an older CPU
+        ext = extension(Settings().kernel_dir) if args.arch == "native" else extension(Path(scratch), arch=args.arch)
+        run(ext, args)
+
+
+def run(ext, args) -> None:
+    """Time every case of the built kernels `ext` and print the table."""
     if ext is None:
         raise SystemExit("the compiled kernels did not build here (see the log); nothing to time")
     calls = cases(ext, args.rows)
@@ -66,8 +76,8 @@ def main() -> None:
             for _ in range(args.calls):
                 call()
             got[case].append((time.perf_counter() - t0) / args.calls * 1e3)
-    print(f"{args.rows} rows, {torch.get_num_threads()} threads, median of {args.rounds} rounds of {args.calls} "
-          "calls\n")
+    print(f"kernels: {args.arch} ({ext.int8_units()}); {args.rows} rows, {torch.get_num_threads()} threads, "
+          f"median of {args.rounds} rounds of {args.calls} calls\n")
     print("| product | weights | sums | ms a call | / float32 |\n|---|---|---|---|---|")
     for (name, dtype, kind), ms in got.items():
         base = statistics.median(got[(name, "float32", "plain")])

@@ -6,14 +6,16 @@ integer units, so codes are never widened to float and are read once; int4 codes
 that both the decode products and the prefill panels read (`pack_int4`).
 Prefill (csrc/qpanel.h, `kernels.linear.prefill_rows`): the input rows are quantized as in decode, and panels of
 16 weight rows (32 with AVX-512) are widened to int16 pairs once per call and meet them in integer register tiles
-(VNNI's dot products where the CPU has them), with decode's arithmetic per output: int4 prefill gives decode's
-numbers bit for bit, int8's o and down projections too. The o and down projections (`exact`) sum in double (one
-term a block of 32 columns) so that tensor-parallel partial sums add up to the one-rank result bit for bit.
+(VNNI's dot products where the CPU has them), one chain of block terms per output: int4 prefill gives decode's
+numbers bit for bit, int8's o and down projections decode's but for double sums in another order (about 2^-29 a
+value). The o and down projections (`exact`) sum in double (one term a block of 32 columns) so that
+tensor-parallel partial sums add up to the one-rank result bit for bit.
 Without the compiled kernels, int8 goes through PyTorch's `aten._weight_int8pack_mm` (bfloat16 activations) and
-int4 is dequantized per product. On CUDA, PyTorch's `_weight_int8pack_mm` and the tinygemm int4 kernel `aten._weight_int4pack_mm` (sm80 and later), the ones
-torchao's weight-only layouts dispatch to. We call them directly rather than through torchao: torchao 0.18's
-int4 weight-only has no CPU layout (its plain format needs a CUDA-only library, plain_int32 refuses CPU
-tensors; tried on this machine), and importing it tries to load its CUDA extensions.
+int4 is dequantized per product. On CUDA, PyTorch's `_weight_int8pack_mm` and the tinygemm int4 kernel
+`aten._weight_int4pack_mm` (sm80 and later), the ones torchao's weight-only layouts dispatch to. We call them
+directly rather than through torchao: torchao 0.18's int4 weight-only has no CPU layout (its plain format needs a
+CUDA-only library, plain_int32 refuses CPU tensors; tried on this machine), and importing it tries to load its CUDA
+extensions.
 
 Quantization parameters are those of the *unsharded* tensor whatever the TP degree:
 - int8: scale_o = max_i |W[o, i]| / 127 over the whole row. Column-parallel ranks hold whole

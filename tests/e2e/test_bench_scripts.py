@@ -50,6 +50,18 @@ def test_few_rows_prints_both_kernels_with_the_same_bits():
         out.stdout
 
 
+def test_prefill_products_times_every_product_and_weight_kind():
+    """`bench/prefill_products.py` at 20 rows, 1 round of 1 call: a table row for each product, weight kind and kind of
+    sums, each with a time and a ratio to float32's."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill_products.py"), "--rows", "20", "--rounds", "1",
+                          "--calls", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("kernels: native (") and " 20 rows, " in out.stdout, out.stdout
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "ms a call" not in line]
+    assert len(rows) == 15 and all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows), out.stdout
+
+
 def test_decode_runs_compares_run_lengths_on_the_same_tokens():
     """`bench/decode_runs.py` with runs of 1 and 4, int4, 1 round of 8 tokens: a table row with both run lengths and
     their ratio (the script itself exits non-zero when a run length gives other tokens)."""

@@ -283,6 +283,24 @@ def test_a_nan_input_gives_nan_rows_not_garbage(ext):
         assert torch.isnan(got[1]).all() and torch.equal(got[[0, 2]], clean[[0, 2]])
 
 
+def test_a_block_too_small_to_scale_gives_zeros_not_undefined_codes(ext):
+    """A block whose largest value is below ~1e-34 (32767 / max overflows float32): its codes are 0 (no cast of an
+    infinity to int16), so its terms vanish, in decode and in prefill; other blocks count as usual."""
+    from shardlm.quant import quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(24, 64, generator=g), torch.randn(3, 64, generator=g)
+    tiny = x.clone()
+    tiny[1, :32] = 1e-36  # (denormal steps: the factor 32767 / 1e-36 is infinite in float32)
+    q8, q4 = quantize_int8(w), quantize_int4(w)
+    rest = x.clone()
+    rest[1, :32] = 0
+    for run in (lambda t: ext.gemv_int8(t, q8.q, q8.scale), lambda t: ext.gemm_int4(t, *q4.kernel_args()),
+                lambda t: ext.prefill_int8(t, q8.q, q8.scale), lambda t: ext.prefill_int4(t, *q4.kernel_args())):
+        got = run(tiny)
+        assert torch.isfinite(got).all() and torch.allclose(got[1], run(rest)[1], atol=1e-30)
+
+
 def test_bfloat16_prefill_rows_are_multiplied_in_float32_without_bfloat16_units(monkeypatch):
     """Without avx512_bf16/AMX, oneDNN's bfloat16 matmul is several times slower than float32 (measured), so many
     bfloat16 rows are multiplied in float32 and rounded once; with the units the bfloat16 matmul runs."""

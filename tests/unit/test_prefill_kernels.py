@@ -60,11 +60,12 @@ def test_prefill_is_close_to_float64_on_the_dequantized_weight(kind, n, k, start
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("n,k,start", [(301, 577, 0), (17, 1000, 13), (37, 200, 0), (48, 96, 7)])
+@pytest.mark.parametrize("n,k,start", [(301, 577, 0), (17, 1000, 13), (37, 200, 0), (48, 96, 7), (301, 2100, 0)])
 def test_prefill_takes_decodes_arithmetic(kind, n, k, start, ext):
     """The products a prompt's tokens get are the ones decode gives the same rows: int4 (plain and exact) and int8's
     exact sums (qrows.h's documented arithmetic) bit for bit; float64 partial sums (`wide`) to float64 rounding,
-    as the same block terms are added in another order."""
+    as the same block terms are added in another order. (A width of 2100: one panel a thread's chunk, so each thread
+    widens several chunks in turn.)"""
     g = torch.Generator().manual_seed(n * k)
     qw, _ = _weight(kind, n, k, start, g)
     x = torch.randn(23, k, generator=g)
@@ -79,10 +80,58 @@ def test_prefill_takes_decodes_arithmetic(kind, n, k, start, ext):
     assert wide.dtype == torch.float64 and (wide - want).abs().max() <= 1e-14 * want.abs().max()
 
 
+def _int8_plain_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """qpanel.h's plain int8 arithmetic, emulated: x quantized per block as decode quantizes it (refs), each block's
+    integer sum of codes times weight codes, then per output one float32 FMA chain over the blocks in order, acc =
+    fma(float(isum), x scale, acc) (the product exact in float64, the sum rounded to float64 then float32: an FMA's
+    single rounding but at double-rounding ties, about 2**-29 a step; these fixed inputs meet none), times the row's
+    scale in float32. (b, n) float32."""
+    b, k = x.shape
+    kp = q.shape[1]
+    blocks = F.pad(x, (0, kp - k)).view(b, kp // 32, 32)  # (b, blocks, 32)
+    amax = blocks.abs().amax(-1)  # (b, blocks)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))
+    codes = torch.round(blocks * inv[..., None]).to(torch.int64)  # (b, blocks, 32)
+    isum = torch.einsum("jbc,rbc->jrb", codes, q.to(torch.int64).view(q.shape[0], kp // 32, 32))  # (b, n, blocks)
+    d = (amax / 32767)[:, None, :]  # (b, 1, blocks)
+    acc = torch.zeros(b, q.shape[0], dtype=torch.float32)
+    for blk in range(kp // 32):
+        acc = (isum[..., blk].float().double() * d[..., blk].double() + acc.double()).float()
+    return acc * scale.float()[None, :]
+
+
+def test_int8_prefill_follows_the_documented_arithmetic(ext):
+    """Plain int8 prefill (q, k, v, gate, up): qpanel.h's chain bit for bit, over rows and outputs off the tile and
+    the panel. It is not decode's (sixteen float lanes a row): the two must be able to differ."""
+    g = torch.Generator().manual_seed(12)
+    qw = quantize_int8(torch.randn(37, 200, generator=g))
+    x = torch.randn(15, 200, generator=g)
+    want = _int8_plain_reference(x, qw.q, qw.scale)
+    assert torch.equal(_run(ext, "int8", qw, x), want)
+    assert not torch.equal(ext.gemv_int8(x, qw.q, qw.scale), want), "decode's lane sums must be able to differ"
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_prefill_of_no_rows_and_of_rows_with_nan(kind, ext):
+    """No rows: an empty result of the right shape. A NaN or an infinity in a row (in a whole block or in the last,
+    padded one): that row's outputs NaN, the other rows unchanged, as in decode."""
+    g = torch.Generator().manual_seed(13)
+    qw, _ = _weight(kind, 40, 200, 0, g)
+    for exact, wide in ((False, False), (True, False), (False, True)):
+        empty = _run(ext, kind, qw, torch.zeros(2, 0, 200), exact, wide)
+        assert empty.shape == (2, 0, 40) and empty.dtype == (torch.float64 if wide else torch.float32)
+    x = torch.randn(4, 200, generator=g)
+    bad = x.clone()
+    bad[1, 5], bad[2, 199] = float("nan"), float("inf")
+    for exact in (False, True):
+        clean, got = _run(ext, kind, qw, x, exact), _run(ext, kind, qw, bad, exact)
+        assert torch.isnan(got[1:3]).all() and torch.equal(got[[0, 3]], clean[[0, 3]]), exact
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_row_is_the_same_alone_in_any_batch_and_in_any_column_slice(kind, ext):
-    """One FMA chain per output over k in order: no dependence on the rows around it (a prompt alone or beside
-    others) or on how many weight rows a column-parallel rank holds."""
+    """One chain of block terms per output, in block order: no dependence on the rows around it (a prompt alone or
+    beside others) or on how many weight rows a column-parallel rank holds."""
     g = torch.Generator().manual_seed(9)
     n, k = 70, 200
     qw, _ = _weight(kind, n, k, 0, g)
@@ -95,7 +144,7 @@ def test_a_row_is_the_same_alone_in_any_batch_and_in_any_column_slice(kind, ext)
     w = torch.randn(n, k, generator=g)
     full = quantize_int8(w) if kind == "int8" else quantize_int4(w)
     y = _run(ext, kind, full, x)
-    for a, b in [(0, 16), (16, 37), (37, 70)]:  # slices of rows that do not fall on panels of 16
+    for a, b in [(0, 16), (16, 37), (37, 70)]:  # slices of rows that do not fall on panels (16 or 32 rows)
         part = pack_int8(full.q[a:b], full.scale[a:b]) if kind == "int8" else quantize_int4(w[a:b])
         assert torch.equal(_run(ext, kind, part, x), y[:, a:b]), (a, b)
 

@@ -12,14 +12,16 @@
 // float32 lanes: one chain per output over the blocks in order, whatever the batch, tile or panel, the same on
 // every build (the scalar build calls std::fma).
 //
-// Per output, decode's arithmetic:
-// - int8 (qrows.h): acc += float(isum) * x_scale, times the row's scale at the end. `exact` weights (o and down
-//   projections, whose rows tensor parallelism splits by input column): float(isum) * x_scale added in double, so
-//   a row-parallel rank's partial sums add up to the one-rank result; these equal decode's (gemv_int8) exact sums
-//   but for double sums in another order (about 2^-29 a value).
+// Per output:
+// - int8: acc += float(isum) * x_scale over the blocks, times the row's scale at the end (decode's qrows.h tiles
+//   keep sixteen float lanes a row instead and add them at the end, so plain int8 prefill and decode differ in the
+//   last bits). `exact` weights (o and down projections, whose rows tensor parallelism splits by input column):
+//   qrows.h's terms float(isum) * x_scale added in double, so a row-parallel rank's partial sums add up to the
+//   one-rank result; these equal decode's (gemv_int8) exact sums but for double sums in another order (about 2^-29
+//   a value).
 // - int4 (q4tiles.h): acc += float(isum) * (scale * x_scale) and zacc += m * x_sum (m = zero - 8 * scale), the
-//   result acc + zacc: decode's numbers bit for bit. `exact`: both terms in double (decode's exact sums but for
-//   double sums in another order).
+//   result acc + zacc: decode's numbers bit for bit. `exact`: both kinds of term in one double sum (decode's exact
+//   sums but for double sums in another order).
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -180,6 +182,7 @@ inline void qpanel_rows(const QuantRows& x, int64_t b, int64_t p0, int64_t p1, T
 template <typename T, bool Q4>
 inline void qpanel_gemm(const int8_t* w8, const float* scale, const Int4Tiles* w4, int64_t n, const QuantRows& x,
                         int64_t b, bool exact, T* y) {
+  if (b == 0) return;
   const int64_t kp = x.kp, panels = (n + QPANEL - 1) / QPANEL;
   const int64_t words = kp / 2 * QPANEL, floats = Q4 ? x.blocks * QPANEL : 0;
   const int64_t per_chunk = std::max<int64_t>(1, QPANEL_CHUNK_BYTES / (words * 4));

@@ -35,6 +35,13 @@ struct QuantRows {
   int64_t kp = 0, blocks = 0;
 };
 
+// 32767 / amax, the factor that turns a block's values into codes; 0 for a block of zeros, and for one whose max is
+// so small (below about 1e-34) that the factor would overflow to infinity (its codes are then 0, not undefined casts).
+inline float code_factor(float amax) {
+  const float inv = 32767.f / amax;
+  return amax > 0.f && inv <= std::numeric_limits<float>::max() ? inv : 0.f;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // One whole block of 32 finite values as quantize_rows' scalar loop quantizes it, sixteen lanes at a time: the
 // same max |x| (exact in any order), the same products x * inv rounded to nearest even (the conversion's rounding
@@ -47,7 +54,7 @@ inline bool quantize_block32(const float* x, int16_t* codes, float& scale, float
   if ((_mm512_cmp_ps_mask(alo, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(ahi, inf, _CMP_LT_OQ)) != 0xFFFF) return false;
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi));
   const float d = amax / 32767.f;
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+  const __m512 inv = _mm512_set1_ps(code_factor(amax));
   const __m512i clo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), chi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm512_cvtepi32_epi16(clo));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 16), _mm512_cvtepi32_epi16(chi));
@@ -80,7 +87,7 @@ inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, Quan
       }
       // a NaN or infinite input: codes 0 and a NaN scale carry it into the result (no undefined int16 cast)
       const float d = finite ? amax / 32767.f : std::numeric_limits<float>::quiet_NaN();
-      const float inv = finite && amax > 0.f ? 32767.f / amax : 0.f;
+      const float inv = finite ? code_factor(amax) : 0.f;
       out.scales[j * out.blocks + blk] = d;
       int32_t total = 0;
       for (int64_t i = a; i < e; ++i) {

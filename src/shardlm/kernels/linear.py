@@ -36,8 +36,9 @@ def use_gemv(x: torch.Tensor, gemv) -> bool:
 
 def prefill_rows(x: torch.Tensor) -> bool:
     """Whether `x` (..., positions, in) holds more than one position a row: a prefill, bound by arithmetic, goes
-    through the panel kernels (csrc/qgemm.h); one position a row (decode, any batch) through the kernels that
-    read each weight once (csrc/rows.h, csrc/qrows.h). Chosen by the shape of the pass, not by its number of
+    through the panel kernels (csrc/qgemm.h for float weights, csrc/qpanel.h for int8 and int4); one position a
+    row (decode, any batch) through the kernels that read each weight once (csrc/rows.h, csrc/qrows.h,
+    csrc/q4tiles.h). Chosen by the shape of the pass, not by its number of
     rows, so a prompt's tokens meet the same kernel alone or beside other prompts."""
     return x.dim() >= 3 and x.shape[-2] > 1
 

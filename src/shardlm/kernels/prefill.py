@@ -1,6 +1,6 @@
 """A float32 CPU prefill block with its element-wise work compiled (csrc/prefill_ops.h).
 
-A prefill pass is bound by its products (csrc/qgemm.h's panels), but the module path also ran ~20 torch ops a
+A prefill pass is bound by its products (the panels of csrc/qgemm.h and csrc/qpanel.h), but the module path also ran ~20 torch ops a
 block around them: on a 512-token pass of the bundled model they took 67 of 306 ms (torch.profiler), the rotary
 multiplies on transposed views above all. `FusedPrefill`, installed as each block's `prefill_step` where the
 compiled kernels are chosen and the model is float32, runs the same block with the products, the cache write and
