@@ -42,14 +42,12 @@ inline void quantize_rows_parallel(const float* x, int64_t b, int64_t k, int64_t
   out.scales.resize(b * out.blocks);
   out.sums.resize(b * out.blocks);
   at::parallel_for(0, b, 16, [&](int64_t lo, int64_t hi) {
-    QuantRows part;
-    std::vector<float> padded(kp, 0.f);
+    std::vector<float> padded(pad_left > 0 ? kp : 0, 0.f);  // a row's columns moved right by pad_left
     for (int64_t j = lo; j < hi; ++j) {
-      std::copy(x + j * k, x + (j + 1) * k, padded.begin() + pad_left);
-      quantize_rows(padded.data(), 1, kp, kp, part);
-      std::copy(part.codes.begin(), part.codes.end(), out.codes.begin() + j * kp);
-      std::copy(part.scales.begin(), part.scales.end(), out.scales.begin() + j * out.blocks);
-      std::copy(part.sums.begin(), part.sums.end(), out.sums.begin() + j * out.blocks);
+      const float* row = x + j * k;
+      if (pad_left > 0) row = padded.data(), std::copy(x + j * k, x + (j + 1) * k, padded.begin() + pad_left);
+      quantize_row(row, pad_left > 0 ? kp : k, kp, out.codes.data() + j * kp, out.scales.data() + j * out.blocks,
+                   out.sums.data() + j * out.blocks);
     }
   });
 }

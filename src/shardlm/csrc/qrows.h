@@ -64,39 +64,45 @@ inline bool quantize_block32(const float* x, int16_t* codes, float& scale, float
 }
 #endif
 
-// Quantize b rows of k floats (row stride k): per block, scale = max |x| / 32767, code = round(x / scale).
+// One row of k floats quantized in blocks of QBLOCK: per block, scale = max |x| / 32767, code = round(x / scale);
+// codes[kp] with zeros past k, scales and sums[kp / 32] (sums: scale * the block's sum of codes).
+inline void quantize_row(const float* x, int64_t k, int64_t kp, int16_t* codes, float* scales, float* sums) {
+  std::fill(codes + std::min(k, kp), codes + kp, int16_t{0});
+  for (int64_t blk = 0; blk < kp / QBLOCK; ++blk) {
+    const int64_t a = blk * QBLOCK, e = std::min(k, a + QBLOCK);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (e - a == QBLOCK && quantize_block32(x + a, codes + a, scales[blk], sums[blk])) continue;
+#endif
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t i = a; i < e; ++i) {
+      amax = std::max(amax, std::fabs(x[i]));
+      finite = finite && std::isfinite(x[i]);
+    }
+    // a NaN or infinite input: codes 0 and a NaN scale carry it into the result (no undefined int16 cast)
+    const float d = finite ? amax / 32767.f : std::numeric_limits<float>::quiet_NaN();
+    const float inv = finite ? code_factor(amax) : 0.f;
+    scales[blk] = d;
+    int32_t total = 0;
+    for (int64_t i = a; i < e; ++i) {
+      const int16_t c = finite ? static_cast<int16_t>(std::nearbyint(x[i] * inv)) : 0;
+      codes[i] = c;
+      total += c;
+    }
+    sums[blk] = d * static_cast<float>(total);
+  }
+}
+
+// Quantize b rows of k floats (row stride k) into out: (b, kp) codes, (b, kp / 32) scales and sums.
 inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, QuantRows& out) {
   out.kp = kp;
   out.blocks = kp / QBLOCK;
-  out.codes.assign(b * kp, 0);
-  out.scales.assign(b * out.blocks, 0.f);
-  out.sums.assign(b * out.blocks, 0.f);
+  out.codes.resize(b * kp);
+  out.scales.resize(b * out.blocks);
+  out.sums.resize(b * out.blocks);
   for (int64_t j = 0; j < b; ++j)
-    for (int64_t blk = 0; blk < out.blocks; ++blk) {
-      const int64_t a = blk * QBLOCK, e = std::min(k, a + QBLOCK);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      if (e - a == QBLOCK && quantize_block32(x + j * k + a, out.codes.data() + j * kp + a,
-                                              out.scales[j * out.blocks + blk], out.sums[j * out.blocks + blk]))
-        continue;
-#endif
-      float amax = 0.f;
-      bool finite = true;
-      for (int64_t i = a; i < e; ++i) {
-        amax = std::max(amax, std::fabs(x[j * k + i]));
-        finite = finite && std::isfinite(x[j * k + i]);
-      }
-      // a NaN or infinite input: codes 0 and a NaN scale carry it into the result (no undefined int16 cast)
-      const float d = finite ? amax / 32767.f : std::numeric_limits<float>::quiet_NaN();
-      const float inv = finite ? code_factor(amax) : 0.f;
-      out.scales[j * out.blocks + blk] = d;
-      int32_t total = 0;
-      for (int64_t i = a; i < e; ++i) {
-        const int16_t c = finite ? static_cast<int16_t>(std::nearbyint(x[j * k + i] * inv)) : 0;
-        out.codes[j * kp + i] = c;
-        total += c;
-      }
-      out.sums[j * out.blocks + blk] = d * static_cast<float>(total);
-    }
+    quantize_row(x + j * k, k, kp, out.codes.data() + j * kp, out.scales.data() + j * out.blocks,
+                 out.sums.data() + j * out.blocks);
 }
 
 #if defined(__AVX2__)
