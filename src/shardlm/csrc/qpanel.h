@@ -95,7 +95,8 @@ inline void store_tile(const QPanel& panel, const float (&sums)[R][QPANEL], cons
 
 // The outputs of R activation rows (from j0) against one widened panel (weight rows c0 .. c0 + cols), output rows n
 // apart. int8 (Q4 false): float sums times the row scales, or (`Exact`) double sums of the block terms times the
-// row scales. int4: acc + zacc in float, or (`Exact`) their double forms, as q4tiles.h's q4_tile computes them.
+// row scales. int4: acc + zacc in float, as q4tiles.h's q4_tile computes them, or (`Exact`) both kinds of block
+// term in one double sum.
 template <typename T, bool Exact, bool Q4, int R>
 inline void qpanel_tile(const QuantRows& x, int64_t j0, const QPanel& panel, T* y, int64_t n, int64_t c0,
                         int64_t cols) {
