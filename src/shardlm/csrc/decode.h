@@ -187,13 +187,8 @@ inline void check_linear(const Linear& l, c10::ScalarType dtype, const char* nam
 
 // x (b, k) placed at columns [pad_left, pad_left + k) of kp zero columns, quantized in blocks of QBLOCK.
 inline void quantize_padded(const float* x, int64_t b, int64_t k, int64_t pad_left, int64_t kp, QuantRows& out) {
-  if (pad_left == 0) {
-    quantize_rows(x, b, k, kp, out);
-    return;
-  }
-  std::vector<float> padded(b * kp, 0.f);
-  for (int64_t j = 0; j < b; ++j) std::copy(x + j * k, x + (j + 1) * k, padded.data() + j * kp + pad_left);
-  quantize_rows(padded.data(), b, kp, kp, out);
+  size_rows(out, b, kp);
+  quantize_range(x, 0, b, k, pad_left, out);
 }
 
 // Units [lo, hi) of a quantized weight (int4: tiles of 16 rows; int8: rows) against xq into y (b, n) as T.

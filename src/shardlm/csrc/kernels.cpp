@@ -57,17 +57,22 @@ torch::Tensor gemv(torch::Tensor x_in, torch::Tensor w) {
   return y.view(out_shape(x_in, n)).to(x_in.scalar_type());
 }
 
+// An int8 weight's codes (n, kq) and scales (n,) checked against an input of width k (kq: k rounded up to 32).
+inline void check_int8(const torch::Tensor& q, const torch::Tensor& scale, int64_t k, const char* name) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), name, ": contiguous int8 (n, kq)");
+  TORCH_CHECK(q.size(1) == (k + shardlm::QBLOCK - 1) / shardlm::QBLOCK * shardlm::QBLOCK && scale.numel() == q.size(0),
+              name, ": shapes (..., k), (n, k rounded up to 32), (n,) expected; got k = ", k, ", codes ", q.sizes(),
+              ", ", scale.numel(), " scales");
+}
+
 // x (..., k) float32 or bfloat16; q (n, kq) int8 codes, kq = k rounded up to 32 (zero columns past k); scale (n,)
 // -> (..., n) in x's dtype: x @ (q * scale)^T. The rows of x are quantized to int16 in blocks of 32 and meet the
 // codes in integer dot products (qrows.h). `exact`: summed in double (a row-parallel kind of weight); `wide`:
 // summed in double and returned as float64 (a row-parallel rank's partial sums, all-reduced in float64);
 // otherwise returned in x's dtype.
 torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "gemv_int8: contiguous int8 (n, kq)");
+  check_int8(q, scale, x_in.size(-1), "gemv_int8");
   const int64_t n = q.size(0), k = x_in.size(-1), kq = q.size(1);
-  TORCH_CHECK(kq == (k + shardlm::QBLOCK - 1) / shardlm::QBLOCK * shardlm::QBLOCK && scale.numel() == n,
-              "gemv_int8: shapes (..., k), (n, k rounded up to 32), (n,) expected; got k = ", k, ", codes ", q.sizes(),
-              ", ", scale.numel(), " scales");
   const auto x = float_rows(x_in), scale32 = scale.to(torch::kFloat).contiguous();
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
@@ -130,50 +135,41 @@ torch::Tensor panel_product(const torch::Tensor& x_in, int64_t kp, int64_t n, co
   return y.view(lead).to(x_in.scalar_type());
 }
 
-// Prefill with an int8 weight: the arguments of gemv_int8. The rows of x are quantized as gemv_int8 quantizes them
-// and meet int16 panels of the codes in the integer units (qpanel.h).
-torch::Tensor prefill_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "prefill_int8: contiguous int8 (n, kq)");
-  const int64_t n = q.size(0), k = x_in.size(-1), kq = q.size(1);
-  TORCH_CHECK(kq == (k + shardlm::QBLOCK - 1) / shardlm::QBLOCK * shardlm::QBLOCK && scale.numel() == n,
-              "prefill_int8: shapes (..., k), (n, k rounded up to 32), (n,) expected; got k = ", k, ", codes ",
-              q.sizes(), ", ", scale.numel(), " scales");
-  const auto x = float_rows(x_in), scale32 = scale.to(torch::kFloat).contiguous();
-  const int64_t b = x.size(0);
-  shardlm::QuantRows xq;
-  shardlm::quantize_rows_parallel(x.data_ptr<float>(), b, k, 0, kq, xq);
-  const int8_t* w = q.data_ptr<int8_t>();
-  const float* s = scale32.data_ptr<float>();
-  const auto lead = out_shape(x_in, n);
-  if (wide) {
-    auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
-    shardlm::qpanel_gemm<double, false>(w, s, nullptr, n, xq, b, true, y.data_ptr<double>());
-    return y.view(lead);
-  }
-  auto y = torch::empty({b, n}, x.options());
-  shardlm::qpanel_gemm<float, false>(w, s, nullptr, n, xq, b, exact, y.data_ptr<float>());
-  return y.view(lead).to(x_in.scalar_type());
-}
-
-// Prefill with an int4 weight: the arguments of gemm_int4. The rows of x are quantized as gemm_int4 quantizes them
-// and meet int16 panels of the codes in the integer units (qpanel.h), with gemm_int4's arithmetic per output.
-torch::Tensor prefill_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, int64_t n,
-                           bool exact, bool wide) {
-  const int64_t k = x_in.size(-1);
-  const shardlm::Int4Tiles w = shardlm::int4_tiles(codes, sz, n, k, pad_left, "prefill_int4");
+// The integer prefill panels (qpanel.h) for x (..., k) float32 or bfloat16 whose k columns sit at
+// [pad_left, pad_left + k) of kp: its rows quantized as decode quantizes them, then an int8 weight (w8 and its row
+// scales s8) or an int4 one (w4); `exact` and `wide` as for gemv_int8.
+template <bool Q4>
+torch::Tensor integer_panels(const torch::Tensor& x_in, int64_t pad_left, int64_t kp, int64_t n, const int8_t* w8,
+                             const float* s8, const shardlm::Int4Tiles* w4, bool exact, bool wide) {
   const auto x = float_rows(x_in);
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
-  shardlm::quantize_rows_parallel(x.data_ptr<float>(), b, k, pad_left, w.groups * shardlm::QBLOCK, xq);
+  shardlm::quantize_rows_parallel(x.data_ptr<float>(), b, x_in.size(-1), pad_left, kp, xq);
   const auto lead = out_shape(x_in, n);
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
-    shardlm::qpanel_gemm<double, true>(nullptr, nullptr, &w, n, xq, b, true, y.data_ptr<double>());
+    shardlm::qpanel_gemm<double, Q4>(w8, s8, w4, n, xq, b, true, y.data_ptr<double>());
     return y.view(lead);
   }
   auto y = torch::empty({b, n}, x.options());
-  shardlm::qpanel_gemm<float, true>(nullptr, nullptr, &w, n, xq, b, exact, y.data_ptr<float>());
+  shardlm::qpanel_gemm<float, Q4>(w8, s8, w4, n, xq, b, exact, y.data_ptr<float>());
   return y.view(lead).to(x_in.scalar_type());
+}
+
+// Prefill with an int8 weight: the arguments of gemv_int8, through the integer panels.
+torch::Tensor prefill_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide) {
+  check_int8(q, scale, x_in.size(-1), "prefill_int8");
+  const auto scale32 = scale.to(torch::kFloat).contiguous();
+  return integer_panels<false>(x_in, 0, q.size(1), q.size(0), q.data_ptr<int8_t>(), scale32.data_ptr<float>(), nullptr,
+                               exact, wide);
+}
+
+// Prefill with an int4 weight: the arguments of gemm_int4, through the integer panels (gemm_int4's arithmetic per
+// output).
+torch::Tensor prefill_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor sz, int64_t pad_left, int64_t n,
+                           bool exact, bool wide) {
+  const shardlm::Int4Tiles w = shardlm::int4_tiles(codes, sz, n, x_in.size(-1), pad_left, "prefill_int4");
+  return integer_panels<true>(x_in, pad_left, w.groups * shardlm::QBLOCK, n, nullptr, nullptr, &w, exact, wide);
 }
 
 // Prefill with a float32 or bfloat16 weight (n, k): x (..., k) -> (..., n) in x's dtype, each output one FMA chain

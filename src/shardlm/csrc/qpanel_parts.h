@@ -36,20 +36,8 @@ constexpr int64_t QPANEL_CHUNK_BYTES = 256 * 1024;  // panels a thread widens be
 // quantize_padded: the k columns at [pad_left, pad_left + k) of kp, zeros around them), threads splitting the rows.
 inline void quantize_rows_parallel(const float* x, int64_t b, int64_t k, int64_t pad_left, int64_t kp,
                                    QuantRows& out) {
-  out.kp = kp;
-  out.blocks = kp / QBLOCK;
-  out.codes.resize(b * kp);
-  out.scales.resize(b * out.blocks);
-  out.sums.resize(b * out.blocks);
-  at::parallel_for(0, b, 16, [&](int64_t lo, int64_t hi) {
-    std::vector<float> padded(pad_left > 0 ? kp : 0, 0.f);  // a row's columns moved right by pad_left
-    for (int64_t j = lo; j < hi; ++j) {
-      const float* row = x + j * k;
-      if (pad_left > 0) row = padded.data(), std::copy(x + j * k, x + (j + 1) * k, padded.begin() + pad_left);
-      quantize_row(row, pad_left > 0 ? kp : k, kp, out.codes.data() + j * kp, out.scales.data() + j * out.blocks,
-                   out.sums.data() + j * out.blocks);
-    }
-  });
+  size_rows(out, b, kp);
+  at::parallel_for(0, b, 16, [&](int64_t lo, int64_t hi) { quantize_range(x, lo, hi, k, pad_left, out); });
 }
 
 // The word of two int16 columns: the first in the low half, as the integer multiply-add pairs them.
@@ -163,10 +151,7 @@ struct QVec {  // 512-bit vectors
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   using D = __m512d;
   static D dzero() { return _mm512_setzero_pd(); }
-  static void add_to(D* t, F v) {  // t[0], t[1] += v's lanes 0-7, 8-15 as doubles
-    t[0] = _mm512_add_pd(t[0], _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-    t[1] = _mm512_add_pd(t[1], _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-  }
+  static void add_to(D* t, F v) { add_as_doubles(t, v); }  // qrows.h
   static D splatd(double v) { return _mm512_set1_pd(v); }
   static void add_products(D* t, const double* v, D c) {  // t[0], t[1] += v[0 .. 16) times c
     t[0] = _mm512_fmadd_pd(_mm512_loadu_pd(v), c, t[0]);
@@ -192,10 +177,7 @@ struct QVec {  // 256-bit vectors
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   using D = __m256d;
   static D dzero() { return _mm256_setzero_pd(); }
-  static void add_to(D* t, F v) {  // t[0], t[1] += v's lanes 0-3, 4-7 as doubles
-    t[0] = _mm256_add_pd(t[0], _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-    t[1] = _mm256_add_pd(t[1], _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-  }
+  static void add_to(D* t, F v) { add_as_doubles(t, v); }
   static D splatd(double v) { return _mm256_set1_pd(v); }
   static void add_products(D* t, const double* v, D c) {  // t[0], t[1] += v[0 .. 8) times c
     t[0] = _mm256_fmadd_pd(_mm256_loadu_pd(v), c, t[0]);

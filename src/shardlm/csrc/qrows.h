@@ -93,16 +93,32 @@ inline void quantize_row(const float* x, int64_t k, int64_t kp, int16_t* codes, 
   }
 }
 
-// Quantize b rows of k floats (row stride k) into out: (b, kp) codes, (b, kp / 32) scales and sums.
-inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, QuantRows& out) {
+// out sized for b rows of kp columns (every element is written by quantize_range).
+inline void size_rows(QuantRows& out, int64_t b, int64_t kp) {
   out.kp = kp;
   out.blocks = kp / QBLOCK;
   out.codes.resize(b * kp);
   out.scales.resize(b * out.blocks);
   out.sums.resize(b * out.blocks);
-  for (int64_t j = 0; j < b; ++j)
-    quantize_row(x + j * k, k, kp, out.codes.data() + j * kp, out.scales.data() + j * out.blocks,
+}
+
+// Rows [lo, hi) of x (k floats a row) quantized into out (sized by size_rows), each row's k columns placed at
+// [pad_left, pad_left + k) of out.kp, zeros around them (an int4 slice whose columns start inside a group).
+inline void quantize_range(const float* x, int64_t lo, int64_t hi, int64_t k, int64_t pad_left, QuantRows& out) {
+  const int64_t kp = out.kp;
+  std::vector<float> padded(pad_left > 0 ? kp : 0, 0.f);  // a row's columns moved right by pad_left
+  for (int64_t j = lo; j < hi; ++j) {
+    const float* row = x + j * k;
+    if (pad_left > 0) row = padded.data(), std::copy(x + j * k, x + (j + 1) * k, padded.begin() + pad_left);
+    quantize_row(row, pad_left > 0 ? kp : k, kp, out.codes.data() + j * kp, out.scales.data() + j * out.blocks,
                  out.sums.data() + j * out.blocks);
+  }
+}
+
+// Quantize b rows of k floats (row stride k) into out: (b, kp) codes, (b, kp / 32) scales and sums.
+inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, QuantRows& out) {
+  size_rows(out, b, kp);
+  quantize_range(x, 0, b, k, 0, out);
 }
 
 #if defined(__AVX2__)
@@ -281,11 +297,14 @@ __attribute__((always_inline)) inline __m512i lane_sums(const __m512i* v) {
 }
 constexpr int EXACT_GROUP = 16;  // blocks whose integer sums one lane_sums call finishes
 inline int32_t lane_sum(__m512i v) { return _mm512_reduce_add_epi32(v); }
+// acc[0], acc[1] += v's lanes 0-7, 8-15 as doubles.
+inline void add_as_doubles(__m512d* acc, __m512 v) {
+  acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  acc[1] = _mm512_add_pd(acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+}
 // Block terms float(sums) * scales added into a pair's double lanes.
 inline void add_terms(__m512d* acc, __m512i sums, const float* scales) {
-  const __m512 terms = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(scales));
-  acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(terms)));
-  acc[1] = _mm512_add_pd(acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(terms, 1)));
+  add_as_doubles(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(scales)));
 }
 inline double lanes_total(const __m512d* acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc[0], acc[1])); }
 using ExactLanes = __m512d;
@@ -304,10 +323,13 @@ inline int32_t lane_sum(__m256i v) {
   const __m128i p = _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
   return _mm_cvtsi128_si32(_mm_add_epi32(p, _mm_shuffle_epi32(p, 1)));
 }
+// acc[0], acc[1] += v's lanes 0-3, 4-7 as doubles.
+inline void add_as_doubles(__m256d* acc, __m256 v) {
+  acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
 inline void add_terms(__m256d* acc, __m256i sums, const float* scales) {
-  const __m256 terms = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(scales));
-  acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(terms)));
-  acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(terms, 1)));
+  add_as_doubles(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(scales)));
 }
 inline double lanes_total(const __m256d* acc) {
   alignas(32) double l[4];
