@@ -148,3 +148,33 @@ def int8_exact_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
     isum = torch.einsum("jbc,rbc->jrb", codes, wq)  # (b, n, blocks), exact integers
     terms = (isum.float() * d[:, None, :]).double()  # float32 products, then float64
     return (terms.sum(-1) * scale.double()[None, :]).float()
+
+
+def int8_float_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, units: str) -> torch.Tensor:
+    """qrows.h's float-lane int8 arithmetic (weights no rank splits), emulated: x quantized as quantize_rows does;
+    per pair and block, int32 lane sums (AVX-512: 16 lanes, lane l columns 2l and 2l + 1; AVX2: 8 lanes, lane l
+    columns 2l, 2l + 1, 16 + 2l, 17 + 2l), fused with the block's scale into float32 chains (AVX-512: even blocks
+    in chain 0, odd in chain 1, the chains added at the end; AVX2: one chain), the lanes added in order from zero,
+    times the row's scale; (b, n) float32. The fused multiply-add is emulated in float64 (the product is exact)."""
+    b, k = x.shape
+    n, kp = q.shape
+    nb = kp // 32
+    blocks = F.pad(x, (0, kp - k)).view(b, nb, 32)  # (b, blocks, 32)
+    amax = blocks.abs().amax(-1)  # (b, blocks)
+    d = amax / 32767
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))
+    codes = torch.round(blocks * inv[..., None]).to(torch.int64)
+    prod = torch.einsum("jbc,rbc->jrbc", codes, q.to(torch.int64).view(n, nb, 32))  # (b, n, blocks, 32)
+    if units.startswith("avx512"):
+        lanes, chains = prod.view(b, n, nb, 16, 2).sum(-1), 2  # (b, n, blocks, 16)
+    else:
+        lanes, chains = prod.view(b, n, nb, 2, 8, 2).sum((-3, -1)), 1  # (b, n, blocks, 8)
+    acc = [torch.zeros(b, n, lanes.shape[-1]) for _ in range(chains)]
+    for blk in range(nb):
+        c = blk % chains
+        acc[c] = (lanes[:, :, blk].double() * d[:, None, blk, None].double() + acc[c].double()).float()
+    total = acc[0] + acc[1] if chains == 2 else acc[0]
+    s = torch.zeros(b, n)
+    for lane in range(total.shape[-1]):
+        s = s + total[..., lane]
+    return scale.float()[None, :] * s

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refs import fused_block_inputs
+from refs import fused_block_inputs, int8_float_reference
 from shardlm.kernels import build
 from shardlm.quant import quantize_int4, quantize_int8
 
@@ -87,6 +87,18 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
     for rows in (1, 5):  # int8 o and down sums (exact): one term a block on every build, equal bit for bit
         assert torch.equal(ext.gemv_int8(x8[:rows], q8.q, q8.scale, exact=True),
                            native.gemv_int8(x8[:rows], q8.q, q8.scale, exact=True)), rows
+    _int8_float_lanes(ext, units, g)
+
+
+def _int8_float_lanes(ext, units: str, g: torch.Generator) -> None:
+    """An older build's int8 float lanes: a row the same alone or in a batch, and on AVX2 the documented arithmetic
+    (refs.int8_float_reference: one chain of eight lanes a pair) bit for bit; 7 blocks, rows in tiles of 8, 4 and 1."""
+    q8, x8 = quantize_int8(torch.randn(37, 200, generator=g)), torch.randn(5, 200, generator=g)
+    alone = torch.cat([ext.gemv_int8(x8[j:j + 1], q8.q, q8.scale) for j in range(5)])
+    for rows in (2, 3, 5):
+        assert torch.equal(ext.gemv_int8(x8[:rows], q8.q, q8.scale), alone[:rows]), rows
+    if units == "avx2":
+        assert torch.equal(alone, int8_float_reference(x8, q8.q, q8.scale, units))
 
 
 def _decode_inputs(dt, g):

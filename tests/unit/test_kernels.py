@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refs import blocks_of_32, fused_block_inputs, int8_exact_reference
+from refs import blocks_of_32, fused_block_inputs, int8_exact_reference, int8_float_reference
 from shardlm import kernels
 from shardlm.kernels.linear import LinearOps, OneDNNWeight
 from shardlm.settings import Settings, SettingsError
@@ -133,7 +133,7 @@ def test_gemv_follows_the_documented_arithmetic_bit_for_bit(n, k, dtype, ext):
         assert torch.equal(ext.gemv(x[:b], w), want[:b]), b
 
 
-@pytest.mark.parametrize("n,k", [(301, 577), (96, 1000), (5, 40), (64, 32)])
+@pytest.mark.parametrize("n,k", [(301, 577), (96, 1000), (37, 200), (13, 96), (5, 40), (64, 32)])
 def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
     """Integer dot products: equal to float arithmetic on the dequantized weight and the block-quantized input,
     close to it on the float input, and a row's result is the same alone or in any batch."""
@@ -150,13 +150,30 @@ def test_int8_gemv_equals_the_dequantized_weight(n, k, ext):
     want = x @ dequantized.T
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()  # the input's own rounding, 1/65534 of a block max
     alone = torch.cat([ext.gemv_int8(x[j:j + 1], qw.q, qw.scale) for j in range(16)])
-    for b in (2, 3, 5, 16):
+    for b in (2, 3, 4, 5, 16):
         assert torch.equal(ext.gemv_int8(x[:b], qw.q, qw.scale), alone[:b]), b
     qw.gemv = ext  # the module path: rows of one position each (decode) through the integer kernel
     assert torch.equal(qw.matmul_t(x[:2]), got[:2])
     many = torch.randn(40, k, generator=g)
     want = many @ dequantized.T
     assert (qw.matmul_t(many) - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("n,k", [(301, 577), (37, 200), (13, 96), (5, 40), (64, 32), (96, 1000)])
+def test_int8_float_sums_follow_the_documented_arithmetic(n, k, ext):
+    """The other int8 products' float lanes (qtile) are refs.int8_float_reference bit for bit at every batch size: 19,
+    7, 3, 2, 1 and 32 blocks (an odd count ends on an even block), n not a multiple of 8 or 4 (tiles of 8, 4 and 1
+    rows at batch 1, where a tile walks its rows one after another; 4 x 2 tiles and one-row tiles in batches)."""
+    from shardlm.quant import quantize_int8
+
+    if ext.int8_units() == "scalar":
+        pytest.skip("a build without AVX2 sums in double (dot_q8_scalar)")
+    g = torch.Generator().manual_seed(3)
+    qw = quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(16, k, generator=g)
+    want = int8_float_reference(x, qw.q, qw.scale, ext.int8_units())
+    for b in (1, 2, 3, 4, 5, 16):
+        assert torch.equal(ext.gemv_int8(x[:b], qw.q, qw.scale), want[:b]), b
 
 
 @pytest.mark.parametrize("n,k", [(37, 200), (20, 576), (9, 1000), (5, 40)])

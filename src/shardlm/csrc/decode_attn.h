@@ -25,9 +25,11 @@
 namespace shardlm {
 
 constexpr int MAX_GROUP = 4;  // query heads attended together (larger groups run in chunks)
+constexpr int64_t CACHED_KV = 512 * 1024;  // a task's keys and values up to this many bytes stay cached for the next
 
-// A thread's KV reads as one stream: its tasks' keys then values, in order. The loops report the lines they have
-// read (advance); the stream asks the cache for the lines up to `lead` past that point.
+// A thread's KV reads as one stream: its tasks' keys then values, in order (a task that rereads the one before it
+// left out, attend_parts). The loops report the lines they have read (advance); the stream asks the cache for the
+// lines up to `lead` past that point.
 struct KvAhead {
   std::vector<std::pair<const char*, int64_t>> regions;  // (start, lines) in the order they are read
   size_t region = 0;
@@ -260,14 +262,14 @@ void attend_parts(const AttnPlan& plan, int64_t first, int64_t last, const float
   auto base_of = [&](const AttnTask& a) { return ((a.row * hkv + a.kv) * max_len + a.lo) * hd; };
   auto lines_of = [&](const AttnTask& a) { return (a.n * hd * static_cast<int64_t>(sizeof(W)) + 63) / 64; };
   // A task that reads the keys and values of the task before it (the row's other query heads of one KV head, at few
-  // rows a task a head) finds them in the caches and asks for none: asking for them again had cost the bundled
-  // model's batch-1 int8 step 40-70 us a token in prefetch loops (each thread's attention 230-260 -> 190 us a token,
-  // timed per phase; the whole step 0.96-1.03x the time over four in-process A/B runs of paired rounds: within this
-  // VM's noise).
+  // rows a task a head) finds them in the caches and asks for none, where they fit in CACHED_KV (half of this VM's
+  // 1 MB L2: 1024 positions at hd 64 in float32). Asking for them again had cost the bundled model's batch-1 int8
+  // step 40-70 us a token in prefetch loops (each thread's attention 230-260 -> 190 us a token, timed per phase; the
+  // whole step 0.96-1.03x the time over four in-process A/B runs of paired rounds: within this VM's noise).
   auto again = [&](int64_t i) {
     if (i == plan.runs[first]) return false;
     const AttnTask &a = plan.tasks[i], &b = plan.tasks[i - 1];
-    return a.row == b.row && a.kv == b.kv && a.lo == b.lo && a.n == b.n;
+    return a.row == b.row && a.kv == b.kv && a.lo == b.lo && a.n == b.n && 2 * lines_of(a) * 64 <= CACHED_KV;
   };
   KvAhead ahead, none;  // `none` asks for nothing
   for (int64_t i = plan.runs[first]; i < plan.runs[last]; ++i)
@@ -276,7 +278,7 @@ void attend_parts(const AttnPlan& plan, int64_t first, int64_t last, const float
       ahead.regions.push_back({reinterpret_cast<const char*>(vals + base_of(plan.tasks[i])), lines_of(plan.tasks[i])});
     }
   ahead.advance(0);
-  int64_t prefix = 0;  // lines of this thread's tasks before task i
+  int64_t prefix = 0;  // lines of this thread's tasks before task i (rereading tasks left out)
   for (int64_t i = plan.runs[first]; i < plan.runs[last]; ++i) {
     const AttnTask& a = plan.tasks[i];
     const bool cached = again(i);

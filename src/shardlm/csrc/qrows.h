@@ -1,8 +1,7 @@
 // Integer dot products for int8 weights (int4 ones: q4tiles.h, on the same activation codes): the activation rows
 // are quantized once per call to int16 in blocks of 32 (one float scale per block, max |x| / 32767), and each
-// weight row's codes, widened to int16,
-// meet them 32 at a time in the CPU's integer units (AVX2 _mm256_madd_epi16: 16 products a vector, adjacent
-// pairs summed to int32), so a code is never converted to float. int16 rather than int8 activations (llama.cpp's
+// weight row's codes, widened to int16, meet them 32 at a time in the CPU's integer units (AVX2 _mm256_madd_epi16:
+// 16 products a vector, adjacent pairs summed to int32), so a code is never converted to float. int16 rather than int8 activations (llama.cpp's
 // Q8_0 choice): int8 ones cost the bundled model 2.3 % more perplexity than bfloat16 ones (measured), int16 ones
 // are finer than bfloat16. Each block's int32 sums are scaled by the block's activation scale in float32; the
 // row's weight scale multiplies the finished sum. Every (weight row, activation row) pair keeps its own
@@ -123,12 +122,12 @@ inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, Quan
 }
 
 #if defined(__AVX2__)
-// The quantized tiles ask for the weight rows PREFETCH_ROWS ahead of the ones they multiply: with codes a
-// quarter or an eighth of float32's bytes per multiply, the hardware prefetcher alone left the loop waiting on
-// memory (int8 1536 x 576 from DRAM: 82 us without, 45 us with 16 rows ahead; 8, 32 and 64 were no better).
+// The quantized tiles with weight rows side by side ask for the rows PREFETCH_ROWS ahead of the ones they multiply:
+// with codes a quarter or an eighth of float32's bytes per multiply, the hardware prefetcher alone left the loop
+// waiting on memory (int8 1536 x 576 from DRAM: 82 us without, 45 us with 16 rows ahead; 8, 32 and 64 were no better).
 constexpr int64_t PREFETCH_ROWS = 16;
-// A batch-1 walk through an int8 weight one row after another (qtile, 512-bit builds) asks for the line this many
-// bytes past the one it reads.
+// An int8 tile of one activation row on a 512-bit build walks its weight rows one after another (row_sums) and asks
+// for the line this many bytes past the one it reads.
 constexpr int64_t STREAM_AHEAD = 4096;
 // A block of 32 weight codes as two vectors of 16 int16 (columns 0-15 and 16-31).
 struct Codes16 {
@@ -194,7 +193,6 @@ struct FloatSums {
   static void add(Lane& a, __m256i isum, __m256 scale) { a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, a); }
   static Lane total(const Lane* a) { return a[0]; }
 };
-
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -242,8 +240,8 @@ using PairSums = FloatSums16;
 using PairSums = FloatSums;
 #endif
 
-// The R x J pairs' chains over every block, the R weight rows side by side: each block's codes widened once for the
-// J activation rows, every row asking for its row PREFETCH_ROWS on. Block blk goes to chain blk % kLanes.
+// One block (blk) of the R x J pairs into chain C, the R weight rows side by side: the block's codes widened once for
+// the J activation rows, every row asking for its row PREFETCH_ROWS on.
 template <int R, int J, int C>
 __attribute__((always_inline)) inline void tile_block(const int8_t* w, int64_t ldw, const QuantRows& x, int64_t r0,
                                                       int64_t j0, int64_t blk,
@@ -257,6 +255,7 @@ __attribute__((always_inline)) inline void tile_block(const int8_t* w, int64_t l
       PairSums::add(acc[r][j][C], dot_block(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
   }
 }
+// The R x J pairs' chains over every block: block blk goes to chain blk % kLanes.
 template <int R, int J>
 __attribute__((always_inline)) inline void tile_sums(const int8_t* w, int64_t ldw, const QuantRows& x, int64_t r0,
                                                      int64_t j0, PairSums::Lane (&acc)[R][J][PairSums::kLanes]) {
@@ -275,7 +274,8 @@ __attribute__((always_inline)) inline void tile_sums(const int8_t* w, int64_t ld
 // Measured on this AVX-512 VM (2 threads): a scratch pass over 30 layers of the bundled model's int8 products took
 // 0.84x the time from memory and 0.95x from the caches; in-process A/B of a batch-1 decode step (paired rounds),
 // 0.83x when the VM read slowly and 0.995x when it read fast. One chain a pair, not two, had run 1.4-1.6x slower
-// from the caches (each pair's sum waiting on its own multiply-add). The arithmetic is tile_sums' in any order.
+// from the caches (each pair's sum waiting on its own multiply-add). Each pair's chains get tile_sums' terms in the
+// same order, bit for bit; only the order of the weight rows differs.
 template <int R>
 __attribute__((always_inline)) inline void row_sums(const int8_t* w, int64_t ldw, const QuantRows& x, int64_t r0,
                                                     int64_t j0, PairSums::Lane (&acc)[R][1][PairSums::kLanes]) {
@@ -292,8 +292,10 @@ __attribute__((always_inline)) inline void row_sums(const int8_t* w, int64_t ldw
       PairSums::add(odd, dot_block(widen_block(row + (blk + 1) * QBLOCK), xc + (blk + 1) * QBLOCK),
                     broadcast_scale(ds[blk + 1]));
     }
-    if (blk < nb)
+    if (blk < nb) {  // an odd number of blocks: the last one, asking for its line ahead too
+      _mm_prefetch(reinterpret_cast<const char*>(row + blk * QBLOCK + STREAM_AHEAD), _MM_HINT_T0);
       PairSums::add(even, dot_block(widen_block(row + blk * QBLOCK), xc + blk * QBLOCK), broadcast_scale(ds[blk]));
+    }
     acc[r][0][0] = even, acc[r][0][1] = odd;
   }
 }
