@@ -1,9 +1,9 @@
 // Integer dot products for int8 weights (int4 ones: q4tiles.h, on the same activation codes): the activation rows
 // are quantized once per call to int16 in blocks of 32 (one float scale per block, max |x| / 32767), and each
 // weight row's codes, widened to int16, meet them 32 at a time in the CPU's integer units (AVX2 _mm256_madd_epi16:
-// 16 products a vector, adjacent pairs summed to int32), so a code is never converted to float. int16 rather than int8 activations (llama.cpp's
-// Q8_0 choice): int8 ones cost the bundled model 2.3 % more perplexity than bfloat16 ones (measured), int16 ones
-// are finer than bfloat16. Each block's int32 sums are scaled by the block's activation scale in float32; the
+// 16 products a vector, adjacent pairs summed to int32), so a code is never converted to float. int16 rather than
+// int8 activations (llama.cpp's Q8_0 choice): int8 ones cost the bundled model 2.3 % more perplexity than bfloat16
+// ones (measured), int16 ones are finer than bfloat16. Each block's int32 sums are scaled by the block's activation scale in float32; the
 // row's weight scale multiplies the finished sum. Every (weight row, activation row) pair keeps its own
 // accumulators and order, so a row's result does not depend on the batch around it. Weights whose rows tensor
 // parallelism splits (o and down projections; `exact`) take one term a block: the block's 32 products summed in
@@ -285,16 +285,13 @@ __attribute__((always_inline)) inline void row_sums(const int8_t* w, int64_t ldw
   for (int r = 0; r < R; ++r) {
     const int8_t* row = w + (r0 + r) * ldw;
     PairSums::Lane even = acc[r][0][0], odd = acc[r][0][1];  // a row's chains in registers through its blocks
-    int64_t blk = 0;
-    for (; blk + 2 <= nb; blk += 2) {
+    auto add_block = [&](PairSums::Lane& chain, int64_t blk) {
+      PairSums::add(chain, dot_block(widen_block(row + blk * QBLOCK), xc + blk * QBLOCK), broadcast_scale(ds[blk]));
+    };
+    for (int64_t blk = 0; blk < nb; blk += 2) {  // a pair of blocks (a cache line) a step; an odd count ends on one
       _mm_prefetch(reinterpret_cast<const char*>(row + blk * QBLOCK + STREAM_AHEAD), _MM_HINT_T0);
-      PairSums::add(even, dot_block(widen_block(row + blk * QBLOCK), xc + blk * QBLOCK), broadcast_scale(ds[blk]));
-      PairSums::add(odd, dot_block(widen_block(row + (blk + 1) * QBLOCK), xc + (blk + 1) * QBLOCK),
-                    broadcast_scale(ds[blk + 1]));
-    }
-    if (blk < nb) {  // an odd number of blocks: the last one, asking for its line ahead too
-      _mm_prefetch(reinterpret_cast<const char*>(row + blk * QBLOCK + STREAM_AHEAD), _MM_HINT_T0);
-      PairSums::add(even, dot_block(widen_block(row + blk * QBLOCK), xc + blk * QBLOCK), broadcast_scale(ds[blk]));
+      add_block(even, blk);
+      if (blk + 1 < nb) add_block(odd, blk + 1);
     }
     acc[r][0][0] = even, acc[r][0][1] = odd;
   }
