@@ -178,3 +178,59 @@ def int8_float_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
     for lane in range(total.shape[-1]):
         s = s + total[..., lane]
     return scale.float()[None, :] * s
+
+
+def _flushed(t: torch.Tensor) -> torch.Tensor:
+    """float32 values below the normal range as zero (VDPBF16PS's inputs and results)."""
+    return torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t), t)
+
+
+def bf16_dot_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 decode rows of avx512_bf16 builds (csrc/bf16dot.h), emulated: x (b, k) float32 rounded to
+    bfloat16, w (n, k) bfloat16; per output eight float32 chains, chain m at each step of 16 columns from i fusing
+    w[i + 2m + 1] * x[i + 2m + 1] and then w[i + 2m] * x[i + 2m] (one rounding each, flushed below the normal range),
+    the chains added in order from zero, then the last k % 16 columns' exact products in order. Returns (b, n)."""
+    k = x.shape[1]
+    kk = k - k % 16
+    xr = x.bfloat16().float()
+    xl = _flushed(xr[:, :kk]).double().reshape(x.shape[0], 1, kk // 16, 8, 2)  # (b, 1, steps, chains, (even, odd))
+    wl = _flushed(w[:, :kk].float()).double().reshape(1, w.shape[0], kk // 16, 8, 2)
+    acc = torch.zeros(x.shape[0], w.shape[0], 8)  # a bfloat16 product is exact in float64: one rounding, as an FMA
+    for c in range(kk // 16):
+        for col in (1, 0):
+            acc = _flushed((xl[:, :, c, :, col] * wl[:, :, c, :, col] + acc.double()).float())
+    s = torch.zeros(x.shape[0], w.shape[0])
+    for lane in range(8):
+        s = s + acc[:, :, lane]
+    for t in range(kk, k):
+        s = s + xr[:, None, t] * w[None, :, t].float()
+    return s
+
+
+def float_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The float kernels' documented arithmetic, emulated: eight float32 chains per output, each step one rounding
+    per product (as an FMA), the chains added in order from zero, then the tail's rounded products in order. float32
+    weights (rows.h): steps of 8 columns, chain l fusing w[i + l] * x[i + l]. bfloat16 weights (bf16rows.h, builds
+    without avx512_bf16): steps of 16, chain m fusing w[i + 2m] * x[i + 2m], then w[i + 2m + 1] * x[i + 2m + 1].
+    Returns (b, n) float32."""
+    step = 16 if w.dtype == torch.bfloat16 else 8
+    w, x = w.float(), x.float()
+    k = w.shape[1]
+    kk = k - k % step
+
+    def terms(t: torch.Tensor) -> torch.Tensor:  # (rows, steps, terms, 8 chains)
+        if step == 8:  # column i + l of a step is chain l's one term
+            return t[:, :kk].double().reshape(t.shape[0], kk // 8, 1, 8)
+        return t[:, :kk].double().reshape(t.shape[0], kk // 16, 8, 2).transpose(2, 3)  # columns 2m, 2m + 1: chain m
+
+    wl, xl = terms(w), terms(x)
+    acc = torch.zeros(x.shape[0], w.shape[0], 8)  # (b, n, 8) float32
+    for c in range(kk // step):  # a float32 product is exact in float64: one rounding, as in an FMA
+        for term in range(step // 8):
+            acc = (xl[:, None, c, term, :] * wl[None, :, c, term, :] + acc.double()).float()
+    s = torch.zeros(x.shape[0], w.shape[0])
+    for lane in range(8):
+        s = s + acc[:, :, lane]
+    for t in range(kk, k):
+        s = s + x[:, None, t] * w[None, :, t]
+    return s

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refs import blocks_of_32, fused_block_inputs, int8_exact_reference, int8_float_reference
+from refs import (blocks_of_32, bf16_dot_reference, float_rows_reference, fused_block_inputs,
+                  int8_exact_reference, int8_float_reference)
 from shardlm import kernels
 from shardlm.kernels.linear import LinearOps, OneDNNWeight
 from shardlm.settings import Settings, SettingsError
@@ -88,46 +89,22 @@ def test_gemv_rows_do_not_depend_on_the_batch_around_them(n, k, dtype, ext):
     alone = torch.cat([ext.gemv(x[j:j + 1], w) for j in range(16)])  # (16, n)
     for b in (2, 3, 4, 5, 6, 8, 13, 15, 16):  # every mix of 512-bit pair tiles (8, 4, 2 rows) and single rows
         assert torch.equal(ext.gemv(x[:b], w), alone[:b]), b
+    if dtype == torch.bfloat16 and ext.bf16_dot():  # bf16dot.h rounds x to bfloat16, as the module path does
+        x = x.bfloat16().float()
     torch.testing.assert_close(alone, x @ w.float().T, atol=1e-3, rtol=1e-3)
-
-
-def _float_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The float kernels' documented arithmetic, emulated: eight float32 chains per output, each step one rounding
-    per product (as an FMA), the chains added in order from zero, then the tail's rounded products in order. float32
-    weights (rows.h): steps of 8 columns, chain l fusing w[i + l] * x[i + l]. bfloat16 weights (bf16rows.h): steps of
-    16, chain m fusing w[i + 2m] * x[i + 2m], then w[i + 2m + 1] * x[i + 2m + 1]. Returns (b, n) float32."""
-    step = 16 if w.dtype == torch.bfloat16 else 8
-    w, x = w.float(), x.float()
-    k = w.shape[1]
-    kk = k - k % step
-
-    def terms(t: torch.Tensor) -> torch.Tensor:  # (rows, steps, terms, 8 chains)
-        if step == 8:  # column i + l of a step is chain l's one term
-            return t[:, :kk].double().reshape(t.shape[0], kk // 8, 1, 8)
-        return t[:, :kk].double().reshape(t.shape[0], kk // 16, 8, 2).transpose(2, 3)  # columns 2m, 2m + 1: chain m
-
-    wl, xl = terms(w), terms(x)
-    acc = torch.zeros(x.shape[0], w.shape[0], 8)  # (b, n, 8) float32
-    for c in range(kk // step):  # a float32 product is exact in float64: one rounding, as in an FMA
-        for term in range(step // 8):
-            acc = (xl[:, None, c, term, :] * wl[None, :, c, term, :] + acc.double()).float()
-    s = torch.zeros(x.shape[0], w.shape[0])
-    for lane in range(8):
-        s = s + acc[:, :, lane]
-    for t in range(kk, k):
-        s = s + x[:, None, t] * w[None, :, t]
-    return s
 
 
 @pytest.mark.parametrize("n,k", [(37, 203), (16, 64), (9, 7), (45, 600), (40, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_follows_the_documented_arithmetic_bit_for_bit(n, k, dtype, ext):
     """Every tile shape (one row, 256-bit pairs, 512-bit pairs, the lane sums) computes exactly the arithmetic
-    `rows.h` (float32) and `bf16rows.h` (bfloat16) document, so a faster tile can never change a token unnoticed."""
+    `rows.h` (float32) and `bf16rows.h` (bfloat16) document, or `bf16dot.h` (bfloat16 on avx512_bf16 builds), so a
+    faster tile can never change a token unnoticed."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(17, k, generator=g)
-    want = _float_rows_reference(x, w)
+    dot = dtype == torch.bfloat16 and ext.bf16_dot()
+    want = bf16_dot_reference(x, w) if dot else float_rows_reference(x, w)
     assert not torch.equal(want, (x.double() @ w.double().T).float()), "the reference must be able to differ"
     for b in (1, 2, 5, 8, 17):
         assert torch.equal(ext.gemv(x[:b], w), want[:b]), b

@@ -122,6 +122,32 @@ struct NextTileInOrder {
   }
 };
 
+// A batch-1 row-pair tile's sums to y: acc[p] holds the eight chains of weight rows r0 + 2p (low half) and
+// r0 + 2p + 1 (high half); the last k % 16 columns from x's row. (bf16dot.h's tiles end alike.)
+template <int R>
+__attribute__((always_inline)) inline void finish_rowpairs(const __m512 (&acc)[R / 2], const uint16_t* w, int64_t ldw,
+                                                           const float* x, float* y, int64_t k, int64_t r0) {
+  const int64_t kk = k - k % BF16_STEP;
+  if constexpr (R == 8) {
+    if (kk == k) {  // no tail columns: tile_pairs' transposes (rows.h) sum the chains in place
+      const __m512 zero = _mm512_setzero_ps();
+      const __m512 group[8] = {acc[0], acc[1], acc[2], acc[3], zero, zero, zero, zero};
+      // pair_lane_sums puts row r's sum at element 4 (r % 2) + r / 2; back to row order
+      const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+      _mm256_storeu_ps(y + r0, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, pair_lane_sums(group))));
+      return;
+    }
+  }
+  v8f halves[R];  // weight row r0 + r's eight chains
+  for (int p = 0; p < R / 2; ++p) halves_of(acc[p], halves[2 * p], halves[2 * p + 1]);
+  float sums[R];
+  lane_sums8(halves, R, sums);
+  int wrow[R];
+  int64_t xrow[R] = {};
+  for (int r = 0; r < R; ++r) wrow[r] = r;
+  finish_groups<R>(sums, wrow, xrow, w, ldw, x, y, 0, k, r0);
+}
+
 // Batch 1: weight rows r0 + 2p and r0 + 2p + 1 in the two halves of register p (R rows, R / 2 registers), x's
 // split row broadcast to both halves. Tiles of 8 rows: 16 were faster from the caches but ~9 % slower from memory
 // (sixteen rows streamed at once and the next sixteen asked for; bench/RESULTS.md).
@@ -149,24 +175,7 @@ inline void tile_bf16_rowpairs(const uint16_t* w, int64_t ldw, const float* x, c
       acc[p] = _mm512_fmadd_ps(wo, xo, _mm512_fmadd_ps(we, xe, acc[p]));
     }
   }
-  if constexpr (R == 8) {
-    if (kk == k) {  // no tail columns: tile_pairs' transposes (rows.h) sum the chains in place
-      const __m512 zero = _mm512_setzero_ps();
-      const __m512 group[8] = {acc[0], acc[1], acc[2], acc[3], zero, zero, zero, zero};
-      // pair_lane_sums puts row r's sum at element 4 (r % 2) + r / 2; back to row order
-      const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-      _mm256_storeu_ps(y + r0, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, pair_lane_sums(group))));
-      return;
-    }
-  }
-  v8f halves[R];  // weight row r0 + r's eight chains
-  for (int p = 0; p < R / 2; ++p) halves_of(acc[p], halves[2 * p], halves[2 * p + 1]);
-  float sums[R];
-  lane_sums8(halves, R, sums);
-  int wrow[R];
-  int64_t xrow[R] = {};
-  for (int r = 0; r < R; ++r) wrow[r] = r;
-  finish_groups<R>(sums, wrow, xrow, w, ldw, x, y, 0, k, r0);
+  finish_rowpairs<R>(acc, w, ldw, x, y, k, r0);
 }
 
 // x's rows split (as split_of) and interleaved pairwise by eight for tile_bf16_pairs, in a buffer of the calling
@@ -194,39 +203,29 @@ inline const float* split_pairs_of(const float* x, int64_t b, int64_t k) {
   return base;
 }
 
-// R weight rows from r0 against 2P rows of x from j0 (even), two rows of x a register: weight row r's words
-// broadcast to both halves. Pass `pass` of `passes` asks for its share of the next tile's columns (as tile_pairs).
-template <int R, int P>
-inline void tile_bf16_pairs(const uint16_t* w, int64_t ldw, const float* x, const float* xp, float* y, int64_t n,
-                            int64_t k, int64_t r0, int64_t j0, int pass, int passes) {
-  const int64_t kk = k - k % BF16_STEP;
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  int64_t ahead = pass * (kk / passes / BF16_STEP * BF16_STEP);
-  int wait = 0;
-  __m512 acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  const float* xq = xp + (j0 / 2) * 2 * kk;
-  for (int64_t i = 0; i < kk; i += BF16_STEP) {
-    if (++wait == passes) {
-      wait = 0;
-      prefetch_next_tile<uint16_t, R>(w, ldw, r0, ahead);
-      ahead += BF16_STEP;
-    }
-    __m512 xe[P], xo[P];
-    for (int p = 0; p < P; ++p) {
-      __m512 e = _mm512_loadu_ps(xq + p * 2 * kk + 2 * i), o = _mm512_loadu_ps(xq + p * 2 * kk + 2 * i + 16);
-      asm("" : "+v"(e), "+v"(o));  // loaded once, not folded into each of the R FMAs (see tile_pairs)
-      xe[p] = e, xo[p] = o;
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i words = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-          w + (r0 + r) * ldw + i)));
-      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-      const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(words, high));
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(wo, xo[p], _mm512_fmadd_ps(we, xe[p], acc[r][p]));
-    }
+// Pass `pass` of `passes` over a tile of R rows (a tile of many x rows reads its weight rows once a pass) asks for
+// its share of the next tile's columns, a line of each next row every `passes` steps, so the memory keeps streaming
+// through every pass (as tile_pairs, rows.h).
+template <int R>
+struct PassAhead {
+  int64_t at;
+  int wait = 0, passes;
+  PassAhead(int64_t kk, int pass, int passes_) : at(pass * (kk / passes_ / BF16_STEP * BF16_STEP)), passes(passes_) {}
+  __attribute__((always_inline)) void step(const uint16_t* w, int64_t ldw, int64_t r0) {
+    if (++wait < passes) return;
+    wait = 0;
+    prefetch_next_tile<uint16_t, R>(w, ldw, r0, at);
+    at += BF16_STEP;
   }
+};
+
+// A pair tile's sums to y: acc[r][p] holds the eight chains of weight row r0 + r with x rows j0 + 2p (low half) and
+// j0 + 2p + 1 (high half); the last k % 16 columns from x's rows. (bf16dot.h's tiles end alike.)
+template <int R, int P>
+__attribute__((always_inline)) inline void finish_pairs(const __m512 (&acc)[R][P], const uint16_t* w, int64_t ldw,
+                                                        const float* x, float* y, int64_t n, int64_t k, int64_t r0,
+                                                        int64_t j0) {
+  const int64_t kk = k - k % BF16_STEP;
   if constexpr (R == 4 && P % 2 == 0) {
     if (kk == k) {  // no tail columns: the sums go straight to y, through tile_pairs' transposes (rows.h)
       for (int p = 0; p < P; p += 2) {
@@ -250,11 +249,50 @@ inline void tile_bf16_pairs(const uint16_t* w, int64_t ldw, const float* x, cons
   lane_sums8(halves, R * P * 2, sums);
   finish_groups<R * P * 2>(sums, wrow, xrow, w, ldw, x, y, n, k, r0);
 }
+
+// R weight rows from r0 against 2P rows of x from j0 (even), two rows of x a register: weight row r's words
+// broadcast to both halves. Pass `pass` of `passes` asks for its share of the next tile's columns (as tile_pairs).
+template <int R, int P>
+inline void tile_bf16_pairs(const uint16_t* w, int64_t ldw, const float* x, const float* xp, float* y, int64_t n,
+                            int64_t k, int64_t r0, int64_t j0, int pass, int passes) {
+  const int64_t kk = k - k % BF16_STEP;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  PassAhead<R> ahead(kk, pass, passes);
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  const float* xq = xp + (j0 / 2) * 2 * kk;
+  for (int64_t i = 0; i < kk; i += BF16_STEP) {
+    ahead.step(w, ldw, r0);
+    __m512 xe[P], xo[P];
+    for (int p = 0; p < P; ++p) {
+      __m512 e = _mm512_loadu_ps(xq + p * 2 * kk + 2 * i), o = _mm512_loadu_ps(xq + p * 2 * kk + 2 * i + 16);
+      asm("" : "+v"(e), "+v"(o));  // loaded once, not folded into each of the R FMAs (see tile_pairs)
+      xe[p] = e, xo[p] = o;
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i words = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          w + (r0 + r) * ldw + i)));
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+      const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(words, high));
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(wo, xo[p], _mm512_fmadd_ps(we, xe[p], acc[r][p]));
+    }
+  }
+  finish_pairs<R, P>(acc, w, ldw, x, y, n, k, r0, j0);
+}
 #endif
+
+}  // namespace shardlm
+#include "bf16dot.h"  // avx512_bf16 builds: rows_bf16_dot (after the tiles, prefetches and sums it reuses)
+namespace shardlm {
 
 // Weight rows [lo, hi) of a bfloat16 weight (rows ldw apart) against the b rows of x: y[j, r] (y has n columns).
 inline void rows_bf16(const uint16_t* w, const float* x, float* y, int64_t n, int64_t k, int64_t b, int64_t lo,
                       int64_t hi, int64_t ldw) {
+#if defined(SHARDLM_BF16_DOT)
+  rows_bf16_dot(w, x, y, n, k, b, lo, hi, ldw);
+  return;
+#endif
   const int64_t kk = k - k % BF16_STEP;
   int64_t r = lo;
 #if defined(__AVX512F__)

@@ -317,6 +317,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");
+  m.def("bf16_dot", [] { return shardlm::BF16_DOT; }, "whether bfloat16 rows use avx512_bf16 dot products");
   m.def("prefill_attention", &shardlm::prefill_attention, "attention of every position of a prefill pass");
   m.def("prefill_norm", &shardlm::prefill_norm, "[x + residual, rms_norm(x + residual) * weight] of a prefill pass",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
