@@ -181,24 +181,32 @@ def int8_float_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
 
 
 def _flushed(t: torch.Tensor) -> torch.Tensor:
-    """float32 values below the normal range as zero (VDPBF16PS's inputs and results)."""
+    """float32 values below the normal range as zero (VDPBF16PS's and VCVTNEPS2BF16's inputs)."""
     return torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t), t)
+
+
+def _fused_flushed(exact: torch.Tensor) -> torch.Tensor:
+    """A VDPBF16PS step's float32 result from its exact (float64) value: rounded to 24 bits as if the exponent had no
+    floor, then zero where that is below the normal range (a value just under 2^-126 that rounds up to it stays)."""
+    scaled = torch.where(exact.abs() < 2.0 ** -100, (exact * 2.0 ** 100).float().double() * 2.0 ** -100, exact)
+    return torch.where(scaled.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(scaled), scaled).float()
 
 
 def bf16_dot_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The bfloat16 decode rows of avx512_bf16 builds (csrc/bf16dot.h), emulated: x (b, k) float32 rounded to
-    bfloat16, w (n, k) bfloat16; per output eight float32 chains, chain m at each step of 16 columns from i fusing
-    w[i + 2m + 1] * x[i + 2m + 1] and then w[i + 2m] * x[i + 2m] (one rounding each, flushed below the normal range),
-    the chains added in order from zero, then the last k % 16 columns' exact products in order. Returns (b, n)."""
+    bfloat16 (values below the normal range as zero), w (n, k) bfloat16; per output eight float32 chains, chain m at
+    each step of 16 columns from i fusing w[i + 2m + 1] * x[i + 2m + 1] and then w[i + 2m] * x[i + 2m] (one rounding
+    each, inputs and results below the normal range as zero), the chains added in order from zero, then the last
+    k % 16 columns' products in order. Returns (b, n)."""
     k = x.shape[1]
     kk = k - k % 16
-    xr = x.bfloat16().float()
-    xl = _flushed(xr[:, :kk]).double().reshape(x.shape[0], 1, kk // 16, 8, 2)  # (b, 1, steps, chains, (even, odd))
+    xr = _flushed(x).bfloat16().float()
+    xl = xr[:, :kk].double().reshape(x.shape[0], 1, kk // 16, 8, 2)  # (b, 1, steps, chains, (even, odd))
     wl = _flushed(w[:, :kk].float()).double().reshape(1, w.shape[0], kk // 16, 8, 2)
     acc = torch.zeros(x.shape[0], w.shape[0], 8)  # a bfloat16 product is exact in float64: one rounding, as an FMA
     for c in range(kk // 16):
         for col in (1, 0):
-            acc = _flushed((xl[:, :, c, :, col] * wl[:, :, c, :, col] + acc.double()).float())
+            acc = _fused_flushed(xl[:, :, c, :, col] * wl[:, :, c, :, col] + acc.double())
     s = torch.zeros(x.shape[0], w.shape[0])
     for lane in range(8):
         s = s + acc[:, :, lane]

@@ -94,6 +94,33 @@ def test_gemv_rows_do_not_depend_on_the_batch_around_them(n, k, dtype, ext):
     torch.testing.assert_close(alone, x @ w.float().T, atol=1e-3, rtol=1e-3)
 
 
+def test_the_native_build_uses_the_bfloat16_dot_products_where_the_cpu_has_them(ext):
+    """bf16dot.h is compiled in exactly where the CPU has avx512_bf16, and the rank's kernel description says so."""
+    has = "avx512_bf16" in kernels.build.cpu_flags()
+    assert ext.bf16_dot() == has
+    named = "bfloat16 on avx512_bf16 dot products" if has else "bfloat16 widened to float32"
+    assert named in kernels.build.units_of(ext)
+
+
+def test_bfloat16_dot_products_flush_as_documented_at_the_edges_of_float32(ext):
+    """bf16dot.h's edges, against refs.bf16_dot_reference: an x below float32's normal range is zero (also in the
+    tail columns), a step's result just under 2^-126 that rounds up to it stays, and magnitudes from 2^-70 to 2^40
+    agree bit for bit."""
+    if not ext.bf16_dot():
+        pytest.skip("this build keeps bf16rows.h's arithmetic (no avx512_bf16)")
+    x, w = torch.zeros(1, 17), torch.zeros(3, 17).bfloat16()
+    x[0, 16], w[:, 16] = 1e-39, 2.0 ** 100  # a subnormal x in the tail meets a huge weight
+    x[0, 1], w[:, 1] = 2.0 ** -63, 2.0 ** -63  # odd column first: 2^-126 ...
+    x[0, 0], w[:, 0] = 2.0 ** -75, -(2.0 ** -75)  # ... then minus 2^-150: rounds to 2^-126 without an exponent floor
+    assert torch.equal(ext.gemv(x, w), bf16_dot_reference(x, w))
+    g = torch.Generator().manual_seed(5)
+    for _ in range(60):
+        n, k, b = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 40), (1, 300), (1, 17)))
+        w = (torch.randn(n, k, generator=g) * 2.0 ** float(torch.randint(-70, 40, (1,), generator=g))).bfloat16()
+        x = torch.randn(b, k, generator=g) * 2.0 ** float(torch.randint(-70, 40, (1,), generator=g))
+        assert torch.equal(ext.gemv(x, w), bf16_dot_reference(x, w)), (n, k, b)
+
+
 @pytest.mark.parametrize("n,k", [(37, 203), (16, 64), (9, 7), (45, 600), (40, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_follows_the_documented_arithmetic_bit_for_bit(n, k, dtype, ext):

@@ -2,8 +2,9 @@
 // widening each 16 weights (a shift and a mask) and fusing them in two FMAs. The tiles, their row and x layouts, the
 // prefetches and the lane sums are bf16rows.h's; one instruction a step does what four did.
 //
-// The arithmetic, on these builds and every tile: x is rounded to bfloat16 once a call (to nearest, ties to even, as
-// the module path rounds its activations). Each output keeps eight float32 chains; chain m, at each step of 16
+// The arithmetic, on these builds and every tile: x is rounded to bfloat16 once a call of rows_bf16 (a thread's share
+// of a product; to nearest, ties to even, as the module path rounds its activations, but for values below float32's
+// normal range, which VCVTNEPS2BF16 takes as zero). Each output keeps eight float32 chains; chain m, at each step of 16
 // columns from i, fuses w[i + 2m + 1] * x[i + 2m + 1] and then w[i + 2m] * x[i + 2m] (one rounding each; inputs and
 // results below float32's normal range flushed to zero: VDPBF16PS); the chains are added in order from zero
 // (lane_sums8), then the last k % 16 columns' products (exact in float32) in order. A row's result does not depend
@@ -22,8 +23,8 @@ namespace shardlm {
 
 constexpr bool BF16_DOT = true;
 
-// x's b rows (k columns) rounded to bfloat16: the words at `words` (row j at words + j * k) and the same values as
-// float32 at `floats` (for the tails), in buffers of the calling thread.
+// x's b rows (k columns) rounded to bfloat16: the words at `words` (row j at words + j * k) and, at `floats` (same
+// layout), the last k % 16 columns of each row as float32 (what the tails read), in buffers of the calling thread.
 struct RoundedRows {
   const uint16_t* words;
   const float* floats;
@@ -37,29 +38,32 @@ inline RoundedRows rounded_rows(const float* x, int64_t b, int64_t k) {
     const auto mask = static_cast<__mmask16>(total - i >= 16 ? 0xFFFF : (1u << (total - i)) - 1);
     const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + i)));
     _mm256_mask_storeu_epi16(words.data() + i, mask, h);
-    _mm512_mask_storeu_ps(floats.data() + i, mask, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
   }
+  for (int64_t j = 0; j < b; ++j)
+    for (int64_t t = k - k % BF16_STEP; t < k; ++t) floats[j * k + t] = bf16_to_float(words[j * k + t]);
   return {words.data(), floats.data()};
 }
 
-// The rounded rows in pairs for tile_dot_pairs, in a buffer of the calling thread: pair q's step at column i holds
+// The rounded rows in pairs for tile_dot_pairs, in a buffer of the calling thread from a 64-byte boundary (a pair's
+// step is one cache line): pair q's step at column i holds
 // row 2q's 16 words, then row 2q + 1's, at out + q * 2 * kk + 2 * i (kk = k - k % 16); an odd last row follows the
 // pairs, as it is, at out + (b / 2) * 2 * kk.
 inline const uint16_t* word_pairs_of(const uint16_t* xw, int64_t b, int64_t k) {
-  thread_local std::vector<uint16_t> buf;
+  thread_local std::vector<uint16_t> store;
   const int64_t kk = k - k % BF16_STEP;
-  buf.resize(static_cast<size_t>(b * kk));
+  store.resize(static_cast<size_t>(b * kk + 32));
+  uint16_t* base = store.data() + ((64 - reinterpret_cast<uintptr_t>(store.data()) % 64) % 64) / sizeof(uint16_t);
   for (int64_t q = 0; q < b / 2; ++q)
     for (int64_t i = 0; i < kk; i += BF16_STEP) {
-      uint16_t* to = buf.data() + q * 2 * kk + 2 * i;
+      uint16_t* to = base + q * 2 * kk + 2 * i;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                                                               xw + 2 * q * k + i)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 16), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                                                                    xw + (2 * q + 1) * k + i)));
     }
   if (b % 2)
-    for (int64_t i = 0; i < kk; ++i) buf[(b / 2) * 2 * kk + i] = xw[(b - 1) * k + i];
-  return buf.data();
+    for (int64_t i = 0; i < kk; ++i) base[(b / 2) * 2 * kk + i] = xw[(b - 1) * k + i];
+  return base;
 }
 
 __attribute__((always_inline)) inline __m512bh words512(__m512i v) { return reinterpret_cast<__m512bh>(v); }

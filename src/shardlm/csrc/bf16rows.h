@@ -10,13 +10,14 @@
 // from the caches: batch 1 28.2-28.4 -> 20.3-21.6 us, 4 rows 47.3-47.9 -> 35.7-35.9, 16 rows 134.0-134.1 ->
 // 118.5-119.8 (bench/RESULTS.md, stop 47).
 //
-// The arithmetic, on every build and every tile: each output keeps eight float32 chains over k; chain m, at each
-// step of 16 columns from i, fuses w[i + 2m] * x[i + 2m] and then w[i + 2m + 1] * x[i + 2m + 1] (one rounding
-// each); the chains are added in order from zero (lane_sums8), then the last k % 16 columns' rounded products in
-// order. x is laid out once a call with each step's even columns before its odd ones (`split_of`), or, for the
-// 512-bit pair tiles, two rows of it interleaved by eight (`split_pairs_of`). A row's result does not depend on the
-// batch or on the tile that computes it; AVX-512 and AVX2 builds give the same bits (a build without FMA rounds each
-// product before its add), and tests/unit/test_kernels.py emulates the chains in torch.
+// The arithmetic, on every build without avx512_bf16 and every tile: each output keeps eight float32 chains over k;
+// chain m, at each step of 16 columns from i, fuses w[i + 2m] * x[i + 2m] and then w[i + 2m + 1] * x[i + 2m + 1]
+// (one rounding each); the chains are added in order from zero (lane_sums8), then the last k % 16 columns' rounded
+// products in order. x is laid out once a call with each step's even columns before its odd ones (`split_of`), or,
+// for the 512-bit pair tiles, two rows of it interleaved by eight (`split_pairs_of`). A row's result does not depend
+// on the batch or on the tile that computes it; AVX-512 and AVX2 builds give the same bits (a build without FMA
+// rounds each product before its add), and tests/refs.py `float_rows_reference` emulates the chains in torch. Builds
+// with avx512_bf16 run these tiles with bfloat16 dot products and x rounded to bfloat16 (bf16dot.h).
 #pragma once
 #include <cstdint>
 #include <cstring>

@@ -59,6 +59,14 @@ def bf16_units() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def units_of(ext) -> str:
+    """What a build of the compiled kernels multiplies with, named for logs and `--json` (a CPU without the newer
+    instructions falls back at build time, and says so here): e.g. "int8 on avx512bw+avx512vnni, bfloat16 on
+    avx512_bf16 dot products" or "int8 on avx2, bfloat16 widened to float32"."""
+    bf16 = "avx512_bf16 dot products" if ext.bf16_dot() else "widened to float32"
+    return f"int8 on {ext.int8_units()}, bfloat16 {'on ' if ext.bf16_dot() else ''}{bf16}"
+
+
 def extension(kernel_dir: Path, arch: str = "native"):
     """The compiled decode kernels, building them into `kernel_dir` on first use; None when they cannot
     be built here. `arch`: the -march target; "native" (this CPU) in use, older targets ("haswell": AVX2

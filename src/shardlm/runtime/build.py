@@ -29,6 +29,7 @@ from shardlm.checkpoint.quantized import read_quantized
 from shardlm.checkpoint.reads import param_reads
 from shardlm.checkpoint.source import open_source
 from shardlm.kernels import choose_mode, extension, install_linears
+from shardlm.kernels.build import units_of
 from shardlm.kernels.fused import install_fused
 from shardlm.kernels.prefill import install_prefill
 from shardlm.kernels.linear import fast_linear
@@ -360,7 +361,8 @@ def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype
                             not (graphs and settings.batch_invariant), gemv_layers=gemv)
     mode, ext = choose_mode(settings.kernels, settings.kernel_dir)
     install_linears(model, mode, ext, keep=mapped)
+    units = units_of(ext) if mode == "gemv" else ""
     if not (settings.fused and mode == "gemv"):
-        return KernelChoice(mode, 0, False)
+        return KernelChoice(mode, 0, False, units=units)
     fused = install_fused(model, ext, dtype, fixed=not streaming)
-    return KernelChoice(mode, fused, False, prefill_layers=install_prefill(model, ext, dtype))
+    return KernelChoice(mode, fused, False, prefill_layers=install_prefill(model, ext, dtype), units=units)

@@ -37,6 +37,8 @@ class KernelChoice:
     """Decoder layers whose float32 prefill runs its element-wise work compiled (CPU, gemv; kernels/prefill.py)."""
     gemv_layers: int = 0
     """Decoder layers whose batch-1 decode runs as Triton GEMV kernels (one GPU, runtime/gpu_blocks.py)."""
+    units: str = ""
+    """The instructions the compiled CPU kernels were built for (kernels.build.units_of), "" without them."""
 
     def describe(self) -> str:
         """e.g. "gemv, fused decode in 30 layers"."""
@@ -55,6 +57,8 @@ class KernelChoice:
             parts.append("serving steps run ahead")
         if not self.shared_prefill:
             parts.append("a prompt chunk per pass")
+        if self.units:
+            parts.append(self.units)
         return ", ".join(parts)
 
 
