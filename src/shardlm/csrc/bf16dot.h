@@ -112,8 +112,7 @@ inline void tile_dot_rowpairs(const uint16_t* w, int64_t ldw, const uint16_t* xw
   for (int p = 0; p < R / 2; ++p) acc[p] = _mm512_setzero_ps();
   NextTileInOrder<R> ahead(w, ldw, k, r0, kk / BF16_STEP);
   for (int64_t i = 0; i < kk; i += BF16_STEP) {
-    if (ahead.per) ahead.step();
-    else prefetch_next_tile<uint16_t, R>(w, ldw, r0, i);
+    ahead.step(i);
     const __m512bh xv = words512(_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + i))));
     for (int p = 0; p < R / 2; ++p) {
       const uint16_t* row = w + (r0 + 2 * p) * ldw + i;

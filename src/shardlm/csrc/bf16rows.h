@@ -102,23 +102,27 @@ inline void finish_groups(const float* sums, const int* wrow, const int64_t* xro
 // The next tile's R rows (from r0 + R) asked for in address order, `per` cache lines at each of the tile's `steps`
 // steps, where the rows lie one after another (ldw == k): the memory sees one stream, not R streams side by side as
 // prefetch_next_tile asks for them (the tile itself still reads its rows side by side: the arithmetic is unchanged).
-// Else `per` is 0 and the caller asks row by row. At batch 1 on an AVX-512 host with the memory at 44-49 GB/s
-// (sum()), the bundled model's bfloat16 products from memory took 0.86-0.93 of the row-by-row time and a decode step
-// 0.88-0.89 (paired in-process A/B); where that host read at 75 GB/s and its cores ran slower (the products bound by
-// their arithmetic) 1.00-1.03; from the caches 1.01-1.05 (bench/RESULTS.md, stop 50). An address, not a pointer: the
-// hint may pass the weight's end and never faults.
+// Else `per` is 0 and step() asks row by row (prefetch_next_tile). At batch 1 on an AVX-512 host with the memory at
+// 44-49 GB/s (sum()), the bundled model's bfloat16 products from memory took 0.86-0.93 of the row-by-row time and a
+// decode step 0.88-0.89 (paired in-process A/B); where that host read at 75 GB/s and its cores ran slower (the
+// products bound by their arithmetic) 1.00-1.03; from the caches 1.01-1.05 (bench/RESULTS.md, stop 50). An
+// address, not a pointer: the hint may pass the weight's end and never faults.
 template <int R>
 struct NextTileInOrder {
+  const uint16_t* w;
+  int64_t ldw, r0;
   uintptr_t next = 0;
   int64_t per = 0;
-  NextTileInOrder(const uint16_t* w, int64_t ldw, int64_t k, int64_t r0, int64_t steps) {
+  NextTileInOrder(const uint16_t* w_, int64_t ldw_, int64_t k, int64_t r0_, int64_t steps) : w(w_), ldw(ldw_), r0(r0_) {
     if (ldw != k || steps <= 0) return;
     const uintptr_t base = reinterpret_cast<uintptr_t>(w);
     next = (base + (r0 + R) * ldw * sizeof(uint16_t)) & ~uintptr_t{63};
     const uintptr_t end = base + (r0 + 2 * R) * ldw * sizeof(uint16_t);
     per = (static_cast<int64_t>((end - next + 63) / 64) + steps - 1) / steps;
   }
-  __attribute__((always_inline)) void step() {
+  // At the step from column i.
+  __attribute__((always_inline)) void step(int64_t i) {
+    if (per == 0) return prefetch_next_tile<uint16_t, R>(w, ldw, r0, i);
     for (int64_t c = 0; c < per; ++c, next += 64) __builtin_prefetch(reinterpret_cast<const void*>(next), 0, 3);
   }
 };
@@ -161,8 +165,7 @@ inline void tile_bf16_rowpairs(const uint16_t* w, int64_t ldw, const float* x, c
   for (int p = 0; p < R / 2; ++p) acc[p] = _mm512_setzero_ps();
   NextTileInOrder<R> ahead(w, ldw, k, r0, kk / BF16_STEP);
   for (int64_t i = 0; i < kk; i += BF16_STEP) {
-    if (ahead.per) ahead.step();
-    else prefetch_next_tile<uint16_t, R>(w, ldw, r0, i);
+    ahead.step(i);
     __m512 xe = _mm512_broadcast_f32x8(_mm256_loadu_ps(xs + i));
     __m512 xo = _mm512_broadcast_f32x8(_mm256_loadu_ps(xs + i + 8));
     asm("" : "+v"(xe), "+v"(xo));  // one broadcast each a step, not one per FMA

@@ -63,8 +63,8 @@ def units_of(ext) -> str:
     """What a build of the compiled kernels multiplies with, named for logs and `--json` (a CPU without the newer
     instructions falls back at build time, and says so here): e.g. "int8 on avx512bw+avx512vnni, bfloat16 on
     avx512_bf16 dot products" or "int8 on avx2, bfloat16 widened to float32"."""
-    bf16 = "avx512_bf16 dot products" if ext.bf16_dot() else "widened to float32"
-    return f"int8 on {ext.int8_units()}, bfloat16 {'on ' if ext.bf16_dot() else ''}{bf16}"
+    bf16 = "on avx512_bf16 dot products" if ext.bf16_dot() else "widened to float32"
+    return f"int8 on {ext.int8_units()}, bfloat16 {bf16}"
 
 
 def extension(kernel_dir: Path, arch: str = "native"):
