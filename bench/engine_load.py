@@ -3,8 +3,9 @@
     python bench/engine_load.py [--concurrency 16] [--requests 64] [--input-len 64] [--output-len 64]
                                 [--dtype float32] [--rounds 2]
 
-The shape of `bench/serve.py`'s runs (random token prompts, greedy, EOS ignored, a new request as soon as one
-finishes), sent to `shardlm.engine.Engine` from threads of this process, with the bundled model on one rank and the
+The shape of `bench/serve.py`'s runs (random token prompts, sampled at temperature 1 as vLLM's client leaves the
+servers' default, or greedy with --temperature 0; EOS ignored, a new request as soon as one finishes), sent to
+`shardlm.engine.Engine` from threads of this process, with the bundled model on one rank and the
 plan `shardlm serve --max-batch C --max-seq-len 1024` makes. Prints, per round: output tok/s, TTFT p50 and the
 driver's CPU seconds; then, over the last round, the ranks' seconds per step by kind (decode-only steps by rows,
 steps with prefill by prompt tokens): what a faster decode step or prefill would buy at this concurrency, without
@@ -48,7 +49,7 @@ def _engine_class():
     return TimedEngine
 
 
-def one_round(engine, prompts: list[list[int]], concurrency: int, output_len: int) -> dict:
+def one_round(engine, prompts: list[list[int]], concurrency: int, output_len: int, temperature: float = 0.0) -> dict:
     """Every prompt through the engine, `concurrency` at a time; output tok/s, TTFT p50, driver CPU."""
     from shardlm.engine.requests import GenerationParams
 
@@ -63,7 +64,8 @@ def one_round(engine, prompts: list[list[int]], concurrency: int, output_len: in
             if i is None:
                 return
             t0 = time.perf_counter()
-            req = engine.submit(prompts[i], GenerationParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+            req = engine.submit(prompts[i], GenerationParams(max_tokens=output_len, temperature=temperature, seed=i,
+                                                                ignore_eos=True))
             first = None
             for _ in engine.stream(req, timeout=300):
                 first = time.perf_counter() - t0 if first is None else first
@@ -105,6 +107,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="as bench/serve.py's requests: vLLM's client sends none, so servers sample at 1.0; 0: greedy")
     args = ap.parse_args()
     from shardlm.engine.session import plan_run
     from shardlm.plan.plan import KVBudget
@@ -118,7 +122,7 @@ def main() -> None:
         one_round(engine, prompts[:2], 2, 8)  # warm-up
         for r in range(args.rounds):
             engine.steps.clear()
-            got = one_round(engine, prompts, args.concurrency, args.output_len)
+            got = one_round(engine, prompts, args.concurrency, args.output_len, args.temperature)
             print(f"round {r + 1}: c{args.concurrency}, {args.requests} requests in {got['wall_s']:.2f} s, "
                   f"{got['tok_s']:.1f} output tok/s, TTFT p50 {got['ttft_p50_ms']:.0f} ms, driver CPU "
                   f"{got['driver_cpu_s']:.2f} s", flush=True)

@@ -1,7 +1,7 @@
 """Greedy decode runs in one compiled call (runtime/greedy_run.py): every token and every cache value equal to the
 runs taken one Python step at a time, for each kind of model the call takes (float32, bfloat16, int8 and int4 weights
 with their int8 embedding; biases, tied heads, a sliding window, scaled rotary), rows at different positions; rows the
-call does not take (sampled, with logprobs) run as before."""
+call does not take (sampled, with logprobs) take one compiled step at a time, with the same bits."""
 
 import pytest
 import torch
@@ -22,29 +22,37 @@ FORMATS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
            "int4, float embedding": dict(quantization="int4")}
 
 
-def _run(rank, compiled: bool, params, repeat: int = 6, steps: int = 3):
+def _run(rank, compiled: bool, params, repeat: int = 6, steps: int = 3, logprobs=(None, None, None)):
     """Prompts of 5, 9 and 3 tokens in three slots, then `steps` steps of `repeat` decode runs; every run's tokens
-    and the caches after. The runner counts its compiled calls (`runner.calls`)."""
+    (with their logprobs where `logprobs` asks) and the caches after. The runner counts its compiled calls
+    (`runner.calls`: runs of tokens; `runner.logit_calls`: steps' logits)."""
     runner = SlotRunner(rank, ParallelContext())
-    runner.calls = 0
+    runner.calls = runner.logit_calls = 0
     if not compiled:
         runner.greedy = None
     elif runner.greedy is not None:
-        compiled_tokens = runner.greedy.tokens
+        compiled_tokens, compiled_logits = runner.greedy.tokens, runner.greedy.logits
 
         def counted(*args):
             out = compiled_tokens(*args)
             runner.calls += out is not None
             return out
-        runner.greedy.tokens = counted
+
+        def counted_logits(*args):
+            out = compiled_logits(*args)
+            runner.logit_calls += out is not None
+            return out
+        runner.greedy.tokens, runner.greedy.logits = counted, counted_logits
     prompts = [tuple(range(10, 15)), tuple(range(40, 49)), (7, 8, 9)]
     starts = tuple(SlotStart(s, s) for s in range(3))
     runner.run(Step(0, starts, tuple(Prefill(s, p, 0, True, params[s]) for s, p in enumerate(prompts)), ()))
     pos = [len(p) for p in prompts]
     tokens = []
     for i in range(steps):
-        res = runner.run(Step(1 + i, (), (), tuple(Decode(s, None, pos[s], params[s]) for s in range(3)), repeat))
-        tokens.append([[res.slots[s].token for s in range(3)]] + [[run[s].token for s in range(3)] for run in res.later])
+        res = runner.run(Step(1 + i, (), (), tuple(Decode(s, None, pos[s], params[s], logprobs[s]) for s in range(3)),
+                              repeat))
+        tokens.append([[(res.slots[s].token, res.slots[s].logprob) for s in range(3)]]
+                      + [[(run[s].token, run[s].logprob) for s in range(3)] for run in res.later])
         pos = [q + repeat for q in pos]
     caches = [(runner.cache.k[i].clone(), runner.cache.v[i].clone()) for i in rank.layer_ids]
     return tokens, caches, runner
@@ -118,6 +126,22 @@ def test_a_sampled_row_keeps_the_python_steps(random_dirs):
     assert not runner.greedy.applies([Decode(0, 1, 4, SamplingParams(), 2)], 1, 4)  # logprobs asked
     assert not runner.greedy.applies([Decode(0, 1, MAX_LEN - 2, SamplingParams())], 1, 4)  # past the cache
     _assert_same(_run(rank, True, params), _run(rank, False, params))
+
+
+@pytest.mark.parametrize("name", ["gqa12x4", "mistral_window"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_sampled_rows_take_one_compiled_step_at_a_time(name, fmt, random_dirs):
+    """Steps with sampled rows or logprobs take each run's logits from one compiled step (GreedyRuns.logits): the same
+    tokens, logprobs and caches as the Python steps."""
+    rank = build(random_dirs[name], kv=KVBudget(SLOTS, MAX_LEN, CHUNK), **FORMATS[fmt])
+    params = [SamplingParams(temperature=0.8, seed=3), SamplingParams(), SamplingParams(temperature=1.2, top_k=20)]
+    compiled = _run(rank, True, params, repeat=3, logprobs=(2, None, 0))
+    assert compiled[2].calls == 0 and compiled[2].logit_calls == 3 * 3
+    assert all(run[0][1] is not None and run[1][1] is None for step in compiled[0] for run in step)
+    _assert_same(compiled, _run(rank, False, params, repeat=3, logprobs=(2, None, 0)))
+    greedy_logprobs = _run(rank, True, [SamplingParams()] * 3, repeat=2, logprobs=(None, 1, None))
+    assert greedy_logprobs[2].calls == 0 and greedy_logprobs[2].logit_calls == 2 * 3
+    _assert_same(greedy_logprobs, _run(rank, False, [SamplingParams()] * 3, repeat=2, logprobs=(None, 1, None)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

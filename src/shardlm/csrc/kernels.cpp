@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "argmax.h"
+#include "draw.h"
 #include "decode.h"
 #include "fewrows.h"
 #include "prefill_attn.h"
@@ -207,6 +208,20 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// Each row's inverse-CDF draw from probabilities (b, n) float32 at uniforms u (b,) float64, as runtime/sampling.py's
+// `draw` gives it (draw.h) -> (b,) int64; -1 for a row whose total is not finite.
+torch::Tensor draw_rows(torch::Tensor probs, torch::Tensor u) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat && u.dim() == 1 &&
+                  u.scalar_type() == torch::kDouble && u.size(0) == probs.size(0) && probs.size(1) > 0,
+              "draw_rows: float32 probabilities (rows, vocab) and float64 uniforms (rows,) expected; got ",
+              probs.sizes(), " ", probs.scalar_type(), " and ", u.sizes(), " ", u.scalar_type());
+  const auto p = probs.contiguous();
+  const auto uu = u.contiguous();
+  auto out = torch::empty({p.size(0)}, torch::kLong);
+  shardlm::draw_rows(p.data_ptr<float>(), p.size(0), p.size(1), uu.data_ptr<double>(), out.data_ptr<int64_t>());
+  return out;
+}
+
 // Greedy decode tokens of a one-rank CPU model in one call (runtime/greedy_run.py): each token takes, op for op, the
 // path a Python decode step takes (embedding row, rotary rows, the DecodeStack, the final RMSNorm through torch's
 // rms_norm, the LM head through gemv / gemv_int8, argmax_rows), so its tokens and cache writes are that path's bit for
@@ -268,14 +283,14 @@ static torch::Tensor greedy_logits(const GreedyModel& m, const torch::Tensor& h)
   return logits.to(torch::kFloat).select(1, 0);  // (b, vocab)
 }
 
-// n greedy tokens for each row: feeding tokens (b,) at positions (b,) into cache rows (b,), then each row's argmax
-// at the next position. Returns (n, b) int64.
-torch::Tensor greedy_run(const shardlm::DecodeStack& stack, const GreedyModel& m,
-                         const std::vector<std::pair<torch::Tensor, torch::Tensor>>& caches, torch::Tensor tokens,
-                         torch::Tensor rows, torch::Tensor positions, int64_t window, int64_t n) {
+using Caches = std::vector<std::pair<torch::Tensor, torch::Tensor>>;
+
+// greedy_run's and decode_logits's inputs: tokens, rows and positions (b,), one embedding, one head.
+static void check_step_inputs(const GreedyModel& m, const torch::Tensor& tokens, const torch::Tensor& rows,
+                              const torch::Tensor& positions) {
   TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) > 0 && rows.sizes() == tokens.sizes() &&
-                  positions.sizes() == tokens.sizes() && n >= 0,
-              "greedy_run: tokens, rows and positions must be (b,) with b > 0, and n >= 0");
+                  positions.sizes() == tokens.sizes(),
+              "greedy_run: tokens, rows and positions must be (b,) with b > 0");
   TORCH_CHECK(m.embed_q.has_value() + m.embed_weight.has_value() == 1 && m.embed_q.has_value() == m.embed_scale.has_value(),
               "greedy_run: the model needs one embedding: int8 rows with their scales, or float rows");
   TORCH_CHECK(m.head_q.has_value() + m.head4_codes.has_value() + m.head_weight.has_value() == 1 &&
@@ -283,27 +298,54 @@ torch::Tensor greedy_run(const shardlm::DecodeStack& stack, const GreedyModel& m
               "greedy_run: the model needs one head: int8 codes with scales, int4 tiles, or float rows");
   TORCH_CHECK(m.like.defined() && m.norm_weight.defined() && (m.cos_table.defined() || m.inv_freq.defined()),
               "greedy_run: the model's dtype, final norm weight and rotary table or frequencies must be set");
-  const int64_t b = tokens.size(0), max_len = caches.empty() ? 0 : caches[0].first.size(2);
-  auto out = torch::empty({n, b}, torch::kLong);
+}
+
+// One decode step: tokens (b,) go in at positions (b,) of cache rows (b,) (all int64, contiguous) -> the next
+// position's logits (b, vocab) float32.
+static torch::Tensor step_logits(const shardlm::DecodeStack& stack, const GreedyModel& m, const Caches& caches,
+                                 const torch::Tensor& tok, const torch::Tensor& rows, const torch::Tensor& pos,
+                                 int64_t window) {
+  const int64_t b = tok.size(0), max_len = caches.empty() ? 0 : caches[0].first.size(2);
+  std::vector<int64_t> p(pos.data_ptr<int64_t>(), pos.data_ptr<int64_t>() + b);
+  TORCH_CHECK(*std::max_element(p.begin(), p.end()) < max_len, "greedy_run: position ",
+              *std::max_element(p.begin(), p.end()), " is past the ", max_len, " positions the cache holds");
+  const auto [cs, sn] = greedy_rope(m, pos);
+  const auto h = stack.step(greedy_embed(m, tok), cs, sn, rows, pos, greedy_mask(p, window), caches);
+  return greedy_logits(m, h);
+}
+
+// n greedy tokens for each row: feeding tokens (b,) at positions (b,) into cache rows (b,), then each row's argmax
+// at the next position. Returns (n, b) int64.
+torch::Tensor greedy_run(const shardlm::DecodeStack& stack, const GreedyModel& m, const Caches& caches,
+                         torch::Tensor tokens, torch::Tensor rows, torch::Tensor positions, int64_t window, int64_t n) {
+  check_step_inputs(m, tokens, rows, positions);
+  TORCH_CHECK(n >= 0, "greedy_run: n is ", n, "; a run has 0 or more tokens");
+  auto out = torch::empty({n, tokens.size(0)}, torch::kLong);
   auto pos = positions.to(torch::kLong).contiguous().clone();
   const auto rws = rows.to(torch::kLong).contiguous();
   auto tok = tokens.to(torch::kLong).contiguous();
   for (int64_t i = 0; i < n; ++i) {
-    std::vector<int64_t> p(pos.data_ptr<int64_t>(), pos.data_ptr<int64_t>() + b);
-    TORCH_CHECK(*std::max_element(p.begin(), p.end()) < max_len, "greedy_run: position ",
-                *std::max_element(p.begin(), p.end()), " is past the ", max_len, " positions the cache holds");
-    const auto [cs, sn] = greedy_rope(m, pos);
-    const auto h = stack.step(greedy_embed(m, tok), cs, sn, rws, pos, greedy_mask(p, window), caches);
-    tok = argmax_rows(greedy_logits(m, h));
+    tok = argmax_rows(step_logits(stack, m, caches, tok, rws, pos, window));
     out[i].copy_(tok);
     pos.add_(1);
   }
   return out;
 }
 
+// One step of greedy_run's path for rows that sample: the logits (b, vocab) float32 of the position after each
+// row's token, bit for bit the Python step's (the caller samples them as that step would).
+torch::Tensor decode_logits(const shardlm::DecodeStack& stack, const GreedyModel& m, const Caches& caches,
+                            torch::Tensor tokens, torch::Tensor rows, torch::Tensor positions, int64_t window) {
+  check_step_inputs(m, tokens, rows, positions);
+  return step_logits(stack, m, caches, tokens.to(torch::kLong).contiguous(), rows.to(torch::kLong).contiguous(),
+                     positions.to(torch::kLong).contiguous(), window);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "decode matrix-vector product");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(dim=-1)", py::arg("logits"));
+  m.def("draw_rows", &draw_rows, "each row's inverse-CDF draw, as runtime/sampling.py's draw", py::arg("probs"),
+        py::arg("u"));
   m.def("gemv_int8", &gemv_int8, "matrix product with int8 weights and per-row scales (wide: float64 out)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
   m.def("gemm_int4", &gemm_int4, "matrix product with int4 weights in groups of 32 (wide: float64 out)",
@@ -364,4 +406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_run", &greedy_run, "greedy decode tokens of a one-rank model, each as a Python step computes it",
         py::arg("stack"), py::arg("model"), py::arg("caches"), py::arg("tokens"), py::arg("rows"), py::arg("positions"),
         py::arg("window"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
+  m.def("decode_logits", &decode_logits, "one decode step of greedy_run's path -> logits (b, vocab) float32",
+        py::arg("stack"), py::arg("model"), py::arg("caches"), py::arg("tokens"), py::arg("rows"), py::arg("positions"),
+        py::arg("window"), py::call_guard<py::gil_scoped_release>());
 }

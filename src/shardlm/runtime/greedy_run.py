@@ -10,9 +10,10 @@ The compiled run takes each greedy token through the same ops in the same order,
 table the same function (rope_cos_sin) computed for every position, so its tokens and the cache's contents are the
 Python path's bit for bit (tests/unit/test_greedy_run.py). It applies to a rank that holds the whole model on the
 CPU with the fused stack (tensor parallel 1, one stage), an int8 or plain embedding, an int8, int4 or plain head,
-and steps whose rows are all greedy without logprobs; anything else runs as before. A step of decode rows only
-takes every run in the call, its first included (a server's single steps too); a step with prompts takes the runs
-after its first.
+and steps whose rows are all greedy without logprobs. A step of decode rows only takes every run in the call, its
+first included (a server's single steps too); a step with prompts takes the runs after its first. Decode rows that
+sample or ask for logprobs take the same path one step at a time (`GreedyRuns.logits`, csrc/kernels.cpp
+decode_logits): its logits, which the rank then samples as the Python step would.
 """
 
 from __future__ import annotations
@@ -114,19 +115,40 @@ class GreedyRuns:
             and all(d.params.temperature == 0 and d.logprobs is None for d in decodes) \
             and max(d.position for d in decodes) + first + runs - 1 < self.cache.max_len
 
+    def logits(self, decodes: list[Decode], feeds: list[int]) -> torch.Tensor | None:
+        """One step of any decode rows (sampled, greedy, with logprobs), row j feeding `feeds[j]` at its position:
+        the logits (rows, 1, vocab) float32 the Python step computes, bit for bit, from the compiled path (a sampling
+        row then skips the step's Python: ~0.5 ms of a 16-row float32 step); None where the rows or the stack do not
+        take the call."""
+        if not 0 < len(decodes) <= GEMV_MAX_ROWS or max(d.position for d in decodes) >= self.cache.max_len:
+            return None
+        kernel, caches = self._kernel()
+        if kernel is None:
+            return None
+        out = self.model.decode_stack.ops.decode_logits(
+            kernel, self.gm, caches, torch.tensor(feeds), torch.tensor([d.slot for d in decodes]),
+            torch.tensor([d.position for d in decodes]), self.window or 0)  # (rows, vocab)
+        return out[:, None]
+
+    def _kernel(self) -> tuple:
+        """(the stack's compiled kernel, its layers' caches); (None, None) where a block's fused step was replaced."""
+        stack = self.model.decode_stack
+        kernel = stack.current() if stack is not None else None
+        if kernel is None:
+            return None, None
+        self._tables()
+        return kernel, [(self.cache.k[i], self.cache.v[i]) for i in stack.ids]
+
     def tokens(self, decodes: list[Decode], feeds: list[int], first: int, runs: int) -> list[list[int]] | None:
         """Tokens (runs, rows) of runs first .. first + runs - 1, feeding row j `feeds[j]` at its position + first;
         None when the rows (`applies`) or the stack (a block's fused step replaced) do not take the call: the caller
         then runs the tokens one by one."""
         if not self.applies(decodes, first, runs):
             return None
-        stack = self.model.decode_stack
-        kernel = stack.current() if stack is not None else None
+        kernel, caches = self._kernel()
         if kernel is None:
             return None
-        self._tables()
-        caches = [(self.cache.k[i], self.cache.v[i]) for i in stack.ids]
-        out = stack.ops.greedy_run(kernel, self.gm, caches, torch.tensor(feeds), torch.tensor([d.slot for d in decodes]),
-                                   torch.tensor([d.position + first for d in decodes]), self.window or 0,
-                                   runs)  # (runs, rows)
+        out = self.model.decode_stack.ops.greedy_run(
+            kernel, self.gm, caches, torch.tensor(feeds), torch.tensor([d.slot for d in decodes]),
+            torch.tensor([d.position + first for d in decodes]), self.window or 0, runs)  # (runs, rows)
         return out.tolist()

@@ -73,12 +73,13 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def pick(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
+def pick(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator], ops=None) -> torch.Tensor:
     """`sample` for logits (b, vocab) on any device -> host tokens (b,). Greedy takes the argmax where
-    the logits are; sampling draws on the host with the rows' generators."""
+    the logits are; sampling draws on the host with the rows' generators (and `ops`, the compiled kernels, if
+    given: see `sample`)."""
     if params.temperature == 0:
         return logits.argmax(dim=-1).cpu()
-    return sample(logits.float().cpu(), params, generators)
+    return sample(logits.float().cpu(), params, generators, ops)
 
 
 @dataclass
