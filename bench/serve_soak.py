@@ -4,10 +4,10 @@
 
 The hour-long run: `--minutes 14 --idle-minutes 10 --gaps 2` (three load phases of 14 minutes, two idle
 spells of 10). Load: C client threads, each streaming requests back to back (a random prompt, 8..64 new tokens, EOS
-ignored); every tenth request is cancelled after its third chunk. A probe request (greedy, fixed) runs
-every 20 s and must always return the same text as its first answer, loaded or not. Between load phases
-the server sits idle for I minutes (default 10), far past the collective timeout: the ranks wait in no
-collective, so the first request after an idle spell must succeed like any other.
+ignored, every other request sampled at temperature 1, the rest greedy); every tenth request is cancelled after its
+third chunk. A probe request (greedy, fixed) runs every 20 s and must always return the same text as its first
+answer, loaded or not. Between load phases the server sits idle for I minutes (default 10), far past the collective
+timeout: the ranks wait in no collective, so the first request after an idle spell must succeed like any other.
 
 Reported: requests done, failed, cancelled; probe mismatches; output tokens/s per phase; the server's
 resident memory (driver + ranks) after warm-up and after every phase, and sampled every 20 s over the
@@ -58,10 +58,10 @@ class Tally:
                 setattr(self, k, getattr(self, k) + v)
 
 
-def stream_one(http, url: str, prompt: str, n: int, cancel: bool) -> int:
+def stream_one(http, url: str, prompt: str, n: int, cancel: bool, temperature: float = 0.0) -> int:
     """Stream one completion; the tokens received (cancelled after 3 chunks when `cancel`)."""
-    body = {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": NAME, "prompt": prompt, "max_tokens": n, "temperature": temperature, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
     chunks, usage = 0, 0
     with http.stream("POST", url + "/v1/completions", json=body) as res:
         if res.status_code != 200:
@@ -89,8 +89,8 @@ def client(url: str, deadline: float, tally: Tally, seed: int) -> None:
         while time.monotonic() < deadline:
             i += 1
             cancel = i % 10 == 0
-            try:
-                got = stream_one(http, url, rng.choice(PROMPTS), rng.randint(8, 64), cancel)
+            try:  # every other request samples (temperature 1), the rest are greedy
+                got = stream_one(http, url, rng.choice(PROMPTS), rng.randint(8, 64), cancel, float(i % 2))
                 tally.add(done=1, tokens=got, cancelled=int(cancel))
             except Exception as e:  # noqa: BLE001 - counted and shown, the soak goes on
                 tally.add(failed=1)

@@ -323,8 +323,8 @@ class SlotRunner:
         from one argmax over all rows, the others through `pick` once for each set of rows with the same temperature,
         top-p and top-k, each row drawing from its slot's generator. A row's draw is its own alone (torch's softmax,
         cumulative sums and stable sort work row by row; tests/unit/test_sampling.py). 16 rows of the bundled model's
-        49 152-token vocabulary, sampled in a float32 decode step (in-process profile): one by one 1.7 ms, together
-        1.15 ms, together with the compiled draw 0.8 ms."""
+        49 152-token vocabulary in a float32 decode step: one by one 1.5-1.7 ms, together 1.15-1.2 ms, together with
+        the compiled draw 0.8 ms (bench/RESULTS.md, serving notes of 2026-11-28)."""
         rows = [j for j, w in enumerate(work) if isinstance(w, Decode) or w.sample]
         tokens: dict[int, int] = {}
         if any(work[j].params.temperature == 0 for j in rows):
