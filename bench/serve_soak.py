@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import random
 import sys
 import threading
@@ -69,11 +70,12 @@ def stream_one(http, url: str, prompt: str, n: int, cancel: bool, temperature: f
         for line in res.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if '"error"' in line:
+            event = json.loads(line[len("data: "):])
+            if "error" in event:  # an error event (a sampled token's text may itself be "error")
                 raise RuntimeError(line[:300])
             chunks += 1
-            if '"usage": {' in line:
-                usage = int(line.split('"completion_tokens": ')[1].split(",")[0])
+            if event.get("usage"):
+                usage = int(event["usage"]["completion_tokens"])
             if cancel and chunks == 3:
                 return 0
     return usage
@@ -96,6 +98,7 @@ def client(url: str, deadline: float, tally: Tally, seed: int) -> None:
                 tally.add(failed=1)
                 with tally.lock:
                     tally.errors.append(f"{type(e).__name__}: {e}"[:300])
+                print(f"  a request failed: {tally.errors[-1]}", flush=True)
 
 
 def probe(server: Server) -> str:
@@ -179,7 +182,8 @@ def main() -> None:
             mem[f"after {phase}"] = server_rss_mib(server)
         stats = server.stats()
     rc = server.returncode
-    figure([(t - t0, rss, kind) for t, rss, kind in trace])
+    if not args.no_write:  # --no-write leaves RESULTS.md and the picture as they are
+        figure([(t - t0, rss, kind) for t, rss, kind in trace])
     text = report(args, started, rows, mem, stats, rc)
     print(text)
     if not args.no_write:
