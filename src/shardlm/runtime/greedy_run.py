@@ -122,22 +122,21 @@ class GreedyRuns:
         take the call."""
         if not 0 < len(decodes) <= GEMV_MAX_ROWS or max(d.position for d in decodes) >= self.cache.max_len:
             return None
-        kernel, caches = self._kernel()
-        if kernel is None:
-            return None
-        out = self.model.decode_stack.ops.decode_logits(
-            kernel, self.gm, caches, torch.tensor(feeds), torch.tensor([d.slot for d in decodes]),
-            torch.tensor([d.position for d in decodes]), self.window or 0)  # (rows, vocab)
-        return out[:, None]
+        out = self._call("decode_logits", decodes, feeds, 0)  # (rows, vocab)
+        return None if out is None else out[:, None]
 
-    def _kernel(self) -> tuple:
-        """(the stack's compiled kernel, its layers' caches); (None, None) where a block's fused step was replaced."""
+    def _call(self, op: str, decodes: list[Decode], feeds: list[int], first: int, *extra):
+        """The stack's compiled `op` (greedy_run or decode_logits) on these rows, row j feeding `feeds[j]` at its
+        position + first; None where a block's fused step was replaced (no compiled stack)."""
         stack = self.model.decode_stack
         kernel = stack.current() if stack is not None else None
         if kernel is None:
-            return None, None
+            return None
         self._tables()
-        return kernel, [(self.cache.k[i], self.cache.v[i]) for i in stack.ids]
+        caches = [(self.cache.k[i], self.cache.v[i]) for i in stack.ids]
+        slots, positions = [d.slot for d in decodes], [d.position + first for d in decodes]
+        return getattr(stack.ops, op)(kernel, self.gm, caches, torch.tensor(feeds), torch.tensor(slots),
+                                      torch.tensor(positions), self.window or 0, *extra)
 
     def tokens(self, decodes: list[Decode], feeds: list[int], first: int, runs: int) -> list[list[int]] | None:
         """Tokens (runs, rows) of runs first .. first + runs - 1, feeding row j `feeds[j]` at its position + first;
@@ -145,10 +144,5 @@ class GreedyRuns:
         then runs the tokens one by one."""
         if not self.applies(decodes, first, runs):
             return None
-        kernel, caches = self._kernel()
-        if kernel is None:
-            return None
-        out = self.model.decode_stack.ops.greedy_run(
-            kernel, self.gm, caches, torch.tensor(feeds), torch.tensor([d.slot for d in decodes]),
-            torch.tensor([d.position + first for d in decodes]), self.window or 0, runs)  # (runs, rows)
-        return out.tolist()
+        out = self._call("greedy_run", decodes, feeds, first, runs)  # (runs, rows)
+        return None if out is None else out.tolist()
