@@ -119,9 +119,10 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120, **kw)
 
     def post(self, path: str, body: dict, key: str | None = KEY, timeout: float = 120) -> httpx.Response:
-        """A plain POST (for errors the openai client would turn into exceptions)."""
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
+        """A plain POST (for errors the openai client would turn into exceptions). The body is sent as json.dumps
+        writes it (non-ASCII as escapes), so a test can send what httpx's own encoder refuses: a lone surrogate."""
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        return httpx.post(self.url + path, content=json.dumps(body), headers=headers, timeout=timeout)
 
     def stats(self) -> dict:
         """GET /stats."""

@@ -101,6 +101,8 @@ def bad_dirs(tmp_path_factory, bundled_dir):
     (["--device", "tpu", "x"], "--device tpu is not supported; use cpu or cuda"),
     (["--device", "cuda", "--offload-dir", "/tmp", "--memory-budget", "100MB", "x"], "drop --offload-dir"),
     (["   "], "empty prompt"),
+    # argv b'caf\xff': Python keeps the byte as U+DCFF
+    (["ok", "caf\udcff"], "prompt 2 is not Unicode text: byte 0xFF, which is not UTF-8, at character 3"),
 ])
 def test_bad_input_is_one_line_exit_2(args, expect, bad_dirs):
     args = [a.format(**{k: str(v) for k, v in bad_dirs.items()}) for a in args]

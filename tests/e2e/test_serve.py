@@ -218,6 +218,10 @@ def test_curl_streams_server_sent_events(server, alone):
     ({"prompt": [10**7]}, "prompt", ["49151"]),
     ({"frequency_penalty": 0.5}, "frequency_penalty", ["not supported"]),
     ({"stop": 5}, "stop", ["stop"]),
+    ({"prompt": "caf\ud800"}, "prompt", ["not Unicode text", "U+D800", "character 3"]),
+    ({"prompt": ["Hi", "x\udfff"]}, "prompt.1", ["U+DFFF"]),
+    ({"stop": ["a", "\ud83d"]}, "stop.1", ["U+D83D"]),
+    ({"model": "smol\ud800"}, "model", ["U+D800"]),
 ])
 def test_bad_parameters_are_400_naming_the_parameter(server, body, param, words):
     res = server.post("/v1/completions", {"model": NAME, "prompt": "Hi", "max_tokens": 4, **body})
@@ -225,6 +229,16 @@ def test_bad_parameters_are_400_naming_the_parameter(server, body, param, words)
     err = res.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["code"] == 400, err
     assert all(w in err["message"] for w in words), err["message"]
+
+
+def test_chat_text_that_is_not_unicode_is_400_and_the_server_serves_on(server):
+    for content, param in (("x\ud800", "messages.0.content"),
+                           ([{"type": "text", "text": "a\udc00b"}], "messages.0.content")):
+        res = server.post("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": content}]})
+        assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
+        assert "lone surrogate" in res.json()["error"]["message"]
+    res = server.post("/v1/completions", {"model": NAME, "prompt": "caf\u00e9 \ud83d\ude00", "max_tokens": 2})
+    assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 2, res.text  # a whole pair is text
 
 
 def test_auth_model_and_route_errors(server):
@@ -237,7 +251,13 @@ def test_auth_model_and_route_errors(server):
     res = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30,
                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert res.status_code == 400 and res.json()["error"]["type"] == "invalid_request_error"
-    assert server.post("/v1/nothing", {}).status_code == 404
+    res = httpx.post(server.url + "/v1/completions", content=b'{"model": "smol", "prompt": "\xc3"}', timeout=30,
+                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})  # not UTF-8
+    assert res.status_code == 400 and "encoded as UTF-8" in res.json()["error"]["message"], res.text
+    res = server.post("/v1/nothing", {})
+    assert res.status_code == 404 and "/v1/completions" in res.json()["error"]["message"], res.text
+    res = httpx.get(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert res.status_code == 405 and res.json()["error"]["type"] == "invalid_request_error", res.text
 
 
 def test_loading_is_503_a_full_queue_429_and_sigterm_finishes_requests_in_flight(bundled_dir):

@@ -24,7 +24,7 @@ from shardlm.checkpoint.verify import check_before_use
 from shardlm.engine.checks import UserError, check_budget, check_runnable, for_device, model_folder
 from shardlm.engine.engine import GenerateResult, LocalEngine
 from shardlm.engine.requests import TokenEvent
-from shardlm.engine.text import encode_prompts, load_tokenizer, pad_id
+from shardlm.engine.text import encode_prompts, load_tokenizer, pad_id, unicode_problem
 from shardlm.manifest import ManifestError, check_model
 from shardlm.models.args import ModelConfigError
 from shardlm.models.inventory import parameter_count
@@ -188,6 +188,10 @@ def prepare(request: GenerateRequest, model: str | None, flags: RunFlags, given:
     """
     if not request.prompts or any(not p.strip() for p in request.prompts):
         raise UserError("empty prompt: give at least one non-empty PROMPT, e.g. shardlm generate \"Hello\"")
+    for i, p in enumerate(request.prompts):
+        if problem := unicode_problem(p):
+            raise UserError(f"prompt {i + 1} is {problem}; pass prompts as UTF-8 text (check the shell's locale, "
+                            "or the encoding of the file they come from)")
     if manifest is not None and model is None:
         model = model_folder(manifest[0])
     source = open_model(model)

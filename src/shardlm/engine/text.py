@@ -10,6 +10,19 @@ from shardlm.models.args import ModelConfigError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+def unicode_problem(text: str) -> str | None:
+    """Why `text` is not Unicode text that a tokenizer takes, else None: a lone surrogate, which a JSON escape
+    ("\\ud800") or a command-line byte that is not UTF-8 (Python keeps byte 0xff as U+DCFF) leaves in a str."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte 0x{code - 0xDC00:02X}, which is not UTF-8," if 0xDC80 <= code <= 0xDCFF else \
+            f"a lone surrogate U+{code:04X}"
+        return f"not Unicode text: {what} at character {e.start}"
+
+
 def has_tokenizer(folder: Path) -> bool:
     """Whether `folder` holds tokenizer files (a weights-only folder serves token ids only)."""
     return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)

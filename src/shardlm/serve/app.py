@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 import shardlm
 from shardlm.serve.chat import chat
@@ -121,15 +122,7 @@ def create_app(service: Service) -> FastAPI:
     app.state.service = service
 
     app.add_middleware(KeyCheck, service=service)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        message, param = validation_message(exc.errors())
-        return error_response(400, message, param)
+    _error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -158,6 +151,29 @@ def create_app(service: Service) -> FastAPI:
         return await chat(service, body, request)
 
     return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error reply in OpenAI's JSON shape: ours, pydantic's, and the framework's own (a body that is not
+    UTF-8, an unknown route, a wrong method), which it would send as {"detail": ...}."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def _framework(request: Request, exc: HTTPException):
+        where = f"{request.method} {request.url.path}"
+        message = {400: f"the request body could not be read ({exc.detail}); send one JSON object encoded as UTF-8",
+                   404: f"no route {where}; the API serves /v1/models, /v1/completions and /v1/chat/completions",
+                   405: f"{where} is not allowed; see GET /v1/models, POST /v1/completions or /v1/chat/completions",
+                   }.get(exc.status_code, f"{where}: {exc.detail}")
+        return error_response(exc.status_code, message)
 
 
 def _monitoring_routes(app: FastAPI, service: Service) -> None:

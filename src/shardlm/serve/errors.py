@@ -35,7 +35,8 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     """An OpenAI-shaped error reply."""
-    return JSONResponse({"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param,
+    kind = TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
                                    "code": status}}, status_code=status)
 
 
@@ -51,8 +52,9 @@ def submit_error(e: Exception) -> ApiError:
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """(message, parameter) for pydantic's first validation error of a request body."""
-    err = errors[0]
+    """(message, parameter) for pydantic's first validation error of a request body: the first one a validator
+    raised, where a union's other branches only say that the value has another type."""
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     # a union's branch shows up in the path ("stop", "str"): keep field names and list indexes only
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not UNION_BRANCH.match(str(x))]
     param = ".".join(loc) or None

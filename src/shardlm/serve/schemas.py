@@ -7,13 +7,28 @@ field). Unknown fields are ignored, as OpenAI-compatible servers do (clients sen
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from shardlm.engine.requests import MAX_SEED, GenerationParams
+from shardlm.engine.text import unicode_problem
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+def unicode_text(text: str) -> str:
+    """`text` if it is Unicode text; a ValueError naming the first lone surrogate otherwise.
+
+    JSON lets a string carry an escaped half of a surrogate pair on its own ("\\ud800"), which decodes to a Python
+    str that no tokenizer takes and UTF-8 cannot encode: such a prompt had reached the tokenizer and come back as a
+    500 (found by fuzzing the API)."""
+    problem = unicode_problem(text)
+    if problem:
+        raise ValueError(f"{problem}; send UTF-8 text (a character past U+FFFF as both halves of its surrogate pair)")
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+Prompt = Union[Text, list[Text], list[int], list[list[int]]]
 
 
 class StreamOptions(BaseModel):
@@ -27,13 +42,13 @@ class Sampling(BaseModel):
     """Fields both completions and chat take."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most")
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="-1 or 0: no limit")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -44,7 +59,7 @@ class Sampling(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -78,7 +93,7 @@ class CompletionRequest(Sampling):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class ChatMessage(BaseModel):
@@ -86,7 +101,15 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, v):
+        for part in v if isinstance(v, list) else ():
+            if isinstance(part.get("text"), str):
+                unicode_text(part["text"])
+        return v
 
     def text(self) -> str:
         """The message's text (content parts of type text joined)."""
