@@ -126,9 +126,8 @@ def check_reply(status: int, payload: bytes, stream: bool | None, choices: int |
         return None
     if stream and b"data: [DONE]" not in payload:
         return f"a stream without [DONE]: ...{payload[-300:]!r}"
-    if choices is not None and len(json.loads(payload)["choices"]) != choices:
-        return f"{len(json.loads(payload)['choices'])} choices where {choices} were asked"
-    return None
+    got = len(json.loads(payload)["choices"]) if choices is not None else None
+    return f"{got} choices where {choices} were asked" if got != choices else None
 
 
 def main() -> None:
