@@ -2,7 +2,8 @@
 few rows, over 30 layers of distinct weights (as a decode step reads them: from memory) and over one layer's (from
 the caches), in one process.
 
-    python bench/decode_products.py [--rows 1,8,16] [--rounds 15] [--format bfloat16 | int8 [--sums rank|float|exact]]
+    python bench/decode_products.py [--rows 1,8,16] [--rounds 15] [--format bfloat16 | int8 [--sums rank|float|exact]
+                                    [--natural]]
 
 Random float32 weights of the bundled model's shapes (q and o 576 x 576, k and v 192 x 576, gate and up 1536 x 576,
 down 576 x 1536) and activations, on the machine's cores, with a rank's malloc settings. Per row count: the best of
@@ -43,8 +44,9 @@ def best_pass(layers: list[list], xs: dict, rounds: int) -> float:
     return best
 
 
-def layer_products(ext, g: torch.Generator, fmt: str, sums: str) -> tuple[list, int]:
-    """One layer's seven products as (in features, callable on x) and its weight bytes."""
+def layer_products(ext, g: torch.Generator, fmt: str, sums: str, natural: bool) -> tuple[list, int]:
+    """One layer's seven products as (in features, callable on x) and its weight bytes; `natural`: exact int8
+    weights keep their codes in natural order (a rank interleaves them, csrc/qexact.h)."""
     from shardlm.quant import quantize_int8
 
     products, size = [], 0
@@ -57,7 +59,12 @@ def layer_products(ext, g: torch.Generator, fmt: str, sums: str) -> tuple[list, 
             continue
         qw = quantize_int8(w)
         exact = sums == "exact" or (sums == "rank" and i in (3, 6))  # o and down: row-parallel under tp
-        products.append((k, lambda x, q=qw.q, s=qw.scale, e=exact: ext.gemv_int8(x, q, s, exact=e)))
+        more = {}
+        if exact and not natural:  # as a rank holds them
+            qw.exact = True
+            qw.interleave()
+            more = {"interleaved": True}
+        products.append((k, lambda x, q=qw.q, s=qw.scale, e=exact, m=more: ext.gemv_int8(x, q, s, exact=e, **m)))
         size += qw.q.numel() + 4 * n
     return products, size
 
@@ -70,16 +77,19 @@ def main() -> None:
     ap.add_argument("--format", choices=("float32", "bfloat16", "int8"), default="float32")
     ap.add_argument("--sums", choices=("rank", "float", "exact"), default="rank",
                     help="int8: o and down summed as a rank sums them (rank), or every product one way")
+    ap.add_argument("--natural", action="store_true",
+                    help="int8: exact weights' codes in natural order (a rank interleaves them; a tree before "
+                         "csrc/qexact.h has only this)")
     args = ap.parse_args()
     set_malloc(False)
     ext = extension(Settings.from_env().kernel_dir)
     if ext is None:
         raise SystemExit("the compiled kernels could not be built here (a C++ compiler is needed); see the log above")
     g = torch.Generator().manual_seed(0)
-    built = [layer_products(ext, g, args.format, args.sums) for _ in range(LAYERS)]
+    built = [layer_products(ext, g, args.format, args.sums, args.natural) for _ in range(LAYERS)]
     layers, layer_bytes = [p for p, _ in built], built[0][1]
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers of {layer_bytes / 2**20:.1f} MiB, {args.format}"
-          + (f", {args.sums} sums" if args.format == "int8" else ""))
+          + (f", {args.sums} sums" + (", natural codes" if args.natural else "") if args.format == "int8" else ""))
     print("| rows | weights | ms for 30 layers | GFLOP/s | GB/s read |")
     print("|---|---|---|---|---|")
     for b in (int(r) for r in args.rows.split(",")):

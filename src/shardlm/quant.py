@@ -9,7 +9,8 @@ Prefill (csrc/qpanel.h, `kernels.linear.prefill_rows`): the input rows are quant
 (VNNI's dot products where the CPU has them), one chain of block terms per output: int4 prefill gives decode's
 numbers bit for bit, int8's o and down projections decode's but for double sums in another order (about 2^-29 a
 value). The o and down projections (`exact`) sum in double (one term a block of 32 columns) so that
-tensor-parallel partial sums add up to the one-rank result bit for bit.
+tensor-parallel partial sums add up to the one-rank result bit for bit; a CPU rank holds their codes interleaved
+(`Int8Weight.interleave`, csrc/qexact.h), the order in which those sums need no horizontal reduction.
 Without the compiled kernels, int8 goes through PyTorch's `aten._weight_int8pack_mm` (bfloat16 activations) and
 int4 is dequantized per product. On CUDA, PyTorch's `_weight_int8pack_mm` and the tinygemm int4 kernel
 `aten._weight_int4pack_mm` (sm80 and later), the ones torchao's weight-only layouts dispatch to. We call them
@@ -71,6 +72,8 @@ class Int8Weight:
     exact: bool = False
     """A weight whose rows tensor parallelism splits by input column (o_proj, down_proj; set by the rank builder at
     any tp): our kernel sums its rows in double, so that split sums add up to the whole bit for bit."""
+    interleaved: bool = False
+    """`q` in the exact kernels' interleaved order (csrc/qexact.h; `interleave`), where the rank builder put it."""
     wide_sums = True
     """`matmul_t(x, wide=True)` can return float64 partial sums (see RowParallelLinear)."""
 
@@ -78,13 +81,23 @@ class Int8Weight:
         """x (..., in) -> (..., out) = x @ (q * scale)^T; `wide`: float64 when our kernel runs (else x's dtype)."""
         if self.gemv is not None and not x.is_cuda:
             kernel = self.gemv.prefill_int8 if prefill_rows(x) else self.gemv.gemv_int8
-            return kernel(x, self.q, self.scale, self.exact, wide)  # (..., out)
+            return kernel(x, self.q, self.scale, self.exact, wide, self.interleaved)  # (..., out)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
         if self.pad:
             x2 = F.pad(x2, (0, self.pad))  # (rows, in + pad): zeros meet the zero columns
-        y = torch._weight_int8pack_mm(x2.contiguous(), self.q, self.scale.to(ACT_DTYPE))  # (rows, out)
+        y = torch._weight_int8pack_mm(x2.contiguous(), self.natural_q(), self.scale.to(ACT_DTYPE))  # (rows, out)
         return y.view(*lead, self.q.shape[0]).to(x.dtype)
+
+    def interleave(self) -> None:
+        """Put the codes of an `exact` CPU weight in the interleaved order its kernel reads fastest (in place)."""
+        if self.interleaved or self.q.is_cuda or not self.exact:
+            raise ValueError("only an exact int8 weight on the CPU, not yet interleaved, can be interleaved")
+        self.q, self.interleaved = interleave_columns(self.q), True
+
+    def natural_q(self) -> torch.Tensor:
+        """The codes (out, in + pad) in their natural column order."""
+        return interleave_columns(self.q) if self.interleaved else self.q
 
     @property
     def in_features(self) -> int:
@@ -175,6 +188,21 @@ def _reduce(t: torch.Tensor, op, ctx) -> torch.Tensor:
     if ctx is not None and ctx.world > 1:
         ctx.all_reduce(t, op)
     return t
+
+
+INTERLEAVE_BLOCKS = 16
+"""Blocks of 32 columns in one interleaved group (csrc/qexact.h's IGROUP_BLOCKS)."""
+
+
+def interleave_columns(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes (out, kp), kp a multiple of 32, in csrc/qexact.h's interleaved order: within each whole group of
+    512 columns, the two codes of pair i of block l move to pair position 16 i + l (a 16 x 16 transpose of pairs);
+    the columns past the last whole group stay. The transpose is its own inverse, so this also turns them back."""
+    out, kp = q.shape
+    whole = kp // (32 * INTERLEAVE_BLOCKS) * (32 * INTERLEAVE_BLOCKS)
+    groups = q[:, :whole].reshape(out, -1, INTERLEAVE_BLOCKS, 16, 2)  # (out, group, block l, pair i, 2)
+    moved = groups.transpose(2, 3).reshape(out, whole)  # (out, group, pair i, block l, 2) -> (out, whole)
+    return torch.cat([moved, q[:, whole:]], dim=1).contiguous()  # (out, kp)
 
 
 def int8_codes(w: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,11 +384,11 @@ class Int8Embedding(nn.Module):
         """ids (b, s) -> (b, s, dim) in `dtype`."""
         kw = self.kernel_weight
         if self.ctx is None and self.start == 0:  # the whole vocabulary here: the same rows, fewer ops a step
-            codes = kw.q[ids][..., :kw.in_features]  # (b, s, dim) int8
+            codes = kw.natural_q()[ids][..., :kw.in_features]  # (b, s, dim) int8
             return (codes.float() * kw.scale[ids].float().unsqueeze(-1)).to(self.dtype)  # (b, s, dim)
         mine = (ids >= self.start) & (ids < self.stop)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
-        codes = kw.q[local][..., :kw.in_features]  # (b, s, dim) int8
+        codes = kw.natural_q()[local][..., :kw.in_features]  # (b, s, dim) int8
         out = (codes.float() * kw.scale[local].float().unsqueeze(-1)).to(self.dtype)  # (b, s, dim)
         if self.ctx is None:
             return out

@@ -5,7 +5,7 @@ the int8 and int4 prefill panels (qpanel.h); float prefill panels equal wherever
 bfloat16 rows 16 columns a step, bf16rows.h) and prefill attention (8- or 16-lane tiles), and the fused decode
 blocks, equal wherever the CPU has FMA, but for bfloat16 rows where this CPU has avx512_bf16 (bf16dot.h rounds x to
 bfloat16: the older build is held to bf16rows.h's arithmetic instead); greedy argmax equal to torch's on every
-build."""
+build; interleaved int8 codes' exact sums equal the native build's natural ones (qexact.h)."""
 
 from __future__ import annotations
 
@@ -163,3 +163,28 @@ def test_an_older_build_gives_the_native_decode_blocks(arch, native, tmp_path_fa
             for a, b in ((got, want), tuple(mlp)):
                 atol = 1e-2 * b.float().abs().max().item() if dot else 1e-4
                 torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=atol)
+
+
+@pytest.mark.parametrize("arch", list(TARGETS))
+def test_an_older_build_sums_interleaved_int8_codes_as_the_native_natural_ones(arch, native, tmp_path_factory):
+    """qexact.h's interleaved groups on each build (512-bit multiply-adds without VNNI, two 256-bit halves on AVX2,
+    scalar positions without vector units): decode and prefill, exact and wide, equal the native build's natural
+    codes bit for bit."""
+    from shardlm.quant import interleave_columns
+
+    units, needs = TARGETS[arch]
+    if not needs <= build.cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
+    ext = _older_build(arch, tmp_path_factory)
+    assert ext is not None, f"the {arch} build failed (see the warning logged above)"
+    g = torch.Generator().manual_seed(12)
+    for n, k in ((9, 1120), (6, 1536)):
+        q8 = quantize_int8(torch.randn(n, k, generator=g))
+        moved = interleave_columns(q8.q)
+        x = torch.randn(20, k, generator=g)
+        for rows in (1, 3, 20):
+            for wide in (False, True):
+                assert torch.equal(ext.gemv_int8(x[:rows], moved, q8.scale, True, wide, True),
+                                   native.gemv_int8(x[:rows], q8.q, q8.scale, True, wide)), (n, k, rows, wide)
+        assert torch.equal(ext.prefill_int8(x, moved, q8.scale, True, False, True),
+                           native.prefill_int8(x, q8.q, q8.scale, True, False))

@@ -132,14 +132,15 @@ inline Int4Tiles int4_tiles(const torch::Tensor& codes, const torch::Tensor& sz,
 }
 
 // A linear weight as the fused kernels take it: codes (n, k) in the model's dtype; int8 codes (n, kp) whose rows
-// are padded with zero columns to kp = k rounded up to QBLOCK, with a float32 scale per row; or an int4 weight of
-// `rows` rows in row tiles (int4_tiles), whose k input columns start at column pad_left of kp (a row-parallel
-// slice that starts inside a group).
+// are padded with zero columns to kp = k rounded up to QBLOCK, with a float32 scale per row (`interleaved`: in
+// qexact.h's interleaved order, an exact weight's); or an int4 weight of `rows` rows in row tiles (int4_tiles),
+// whose k input columns start at column pad_left of kp (a row-parallel slice that starts inside a group).
 struct Linear {
   torch::Tensor w;
   torch::Tensor scale;  // undefined for a float weight; (n,) float32 for int8; (tiles, groups, 32) bfloat16 for int4
   int64_t pad_left = 0;
   int64_t rows = 0;  // int4: the weight's real rows (its tiles hold a multiple of 16)
+  bool interleaved = false;
 
   bool quantized() const { return scale.defined(); }
   bool int4() const { return quantized() && w.scalar_type() == torch::kByte; }
@@ -150,7 +151,8 @@ struct Linear {
   }
 };
 
-// The weight `i` of `ws`, with its scales and left padding when `scales` are given (int8 or int4 weights).
+// The weight `i` of `ws`, with its scales and left padding when `scales` are given (int8 or int4 weights). For an
+// int8 weight, pads[i] (when given) is (0, 1) where its codes are interleaved and (0, 0) where they are not.
 inline Linear linear_of(const std::vector<torch::Tensor>& ws, const std::optional<std::vector<torch::Tensor>>& scales,
                         const std::optional<std::vector<std::pair<int64_t, int64_t>>>& pads, size_t i) {
   TORCH_CHECK(!scales.has_value() || scales->size() == ws.size(), "fused decode: ", ws.size(), " weights but ",
@@ -162,7 +164,9 @@ inline Linear linear_of(const std::vector<torch::Tensor>& ws, const std::optiona
   // int8 scales arrive float32 from the CPU's Int8Weight (shardlm.quant); anything else is converted
   const bool convert = ws[i].scalar_type() == torch::kChar && (s.scalar_type() != torch::kFloat || !s.is_contiguous());
   const auto scale = convert ? s.to(torch::kFloat).contiguous() : s;
-  return {ws[i], scale, pads.has_value() ? (*pads)[i].first : 0, pads.has_value() ? (*pads)[i].second : 0};
+  const auto [pad_left, second] = pads.has_value() ? (*pads)[i] : std::pair<int64_t, int64_t>{0, 0};
+  if (ws[i].scalar_type() == torch::kChar) return {ws[i], scale, pad_left, 0, second != 0};
+  return {ws[i], scale, pad_left, second};
 }
 
 // Check a weight that maps k inputs to n outputs, stored as the model's dtype, int8 or int4 (see Linear).
@@ -189,6 +193,12 @@ inline void check_linear(const Linear& l, c10::ScalarType dtype, const char* nam
 inline void quantize_padded(const float* x, int64_t b, int64_t k, int64_t pad_left, int64_t kp, QuantRows& out) {
   size_rows(out, b, kp);
   quantize_range(x, 0, b, k, pad_left, out);
+}
+
+// x (b, k) quantized for the quantized weight l: placed at its columns and, where its codes are, interleaved.
+inline void quantize_for(const Linear& l, const float* x, int64_t b, int64_t k, QuantRows& out) {
+  quantize_padded(x, b, k, l.pad_left, l.padded_width(), out);
+  if (l.interleaved) interleave_rows(out, b);
 }
 
 // Units [lo, hi) of a quantized weight (int4: tiles of 16 rows; int8: rows) against xq into y (b, n) as T.
@@ -222,9 +232,11 @@ inline void project_quantized(const std::vector<std::pair<const Linear*, T*>>& o
   const Linear& first = *o[0].first;
   for (auto [l, y] : o)
     TORCH_CHECK(l->quantized() && l->int4() == first.int4() && l->pad_left == first.pad_left &&
-                    l->padded_width() == first.padded_width(), "fused decode: weights read together differ in form");
+                    l->padded_width() == first.padded_width() && l->interleaved == first.interleaved,
+                "fused decode: weights read together differ in form");
+  TORCH_CHECK(exact || !first.interleaved, "fused decode: interleaved int8 codes are summed exact only");
   QuantRows xq;
-  quantize_padded(x, b, k, first.pad_left, first.padded_width(), xq);
+  quantize_for(first, x, b, k, xq);
   int64_t total = 0;
   for (auto [l, y] : o) total += l->w.size(0);
   at::parallel_for(0, total, first.int4() ? 1 : 16, [&](int64_t lo, int64_t hi) {

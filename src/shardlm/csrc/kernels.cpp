@@ -71,13 +71,16 @@ inline void check_int8(const torch::Tensor& q, const torch::Tensor& scale, int64
 // codes in integer dot products (qrows.h). `exact`: summed in double (a row-parallel kind of weight); `wide`:
 // summed in double and returned as float64 (a row-parallel rank's partial sums, all-reduced in float64);
 // otherwise returned in x's dtype.
-torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide) {
+torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide,
+                        bool interleaved) {
   check_int8(q, scale, x_in.size(-1), "gemv_int8");
+  TORCH_CHECK(!interleaved || exact || wide, "gemv_int8: interleaved codes are summed exact only; pass exact=True");
   const int64_t n = q.size(0), k = x_in.size(-1), kq = q.size(1);
   const auto x = float_rows(x_in), scale32 = scale.to(torch::kFloat).contiguous();
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
   shardlm::quantize_rows(x.data_ptr<float>(), b, k, kq, xq);
+  if (interleaved) shardlm::interleave_rows(xq, b);
   const int8_t* w = q.data_ptr<int8_t>();
   const float* s = scale32.data_ptr<float>();
   const auto lead = out_shape(x_in, n);
@@ -141,7 +144,8 @@ torch::Tensor panel_product(const torch::Tensor& x_in, int64_t kp, int64_t n, co
 // scales s8) or an int4 one (w4); `exact` and `wide` as for gemv_int8.
 template <bool Q4>
 torch::Tensor integer_panels(const torch::Tensor& x_in, int64_t pad_left, int64_t kp, int64_t n, const int8_t* w8,
-                             const float* s8, const shardlm::Int4Tiles* w4, bool exact, bool wide) {
+                             const float* s8, const shardlm::Int4Tiles* w4, bool exact, bool wide,
+                             bool interleaved = false) {
   const auto x = float_rows(x_in);
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
@@ -149,20 +153,33 @@ torch::Tensor integer_panels(const torch::Tensor& x_in, int64_t pad_left, int64_
   const auto lead = out_shape(x_in, n);
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
-    shardlm::qpanel_gemm<double, Q4>(w8, s8, w4, n, xq, b, true, y.data_ptr<double>());
+    shardlm::qpanel_gemm<double, Q4>(w8, s8, w4, n, xq, b, true, y.data_ptr<double>(), interleaved);
     return y.view(lead);
   }
   auto y = torch::empty({b, n}, x.options());
-  shardlm::qpanel_gemm<float, Q4>(w8, s8, w4, n, xq, b, exact, y.data_ptr<float>());
+  shardlm::qpanel_gemm<float, Q4>(w8, s8, w4, n, xq, b, exact, y.data_ptr<float>(), interleaved);
   return y.view(lead).to(x_in.scalar_type());
 }
 
+// A copy of int8 codes (n, kp), kp a multiple of 32, in qexact.h's interleaved order (or back from it: the same
+// transpose), for the exact kernels.
+torch::Tensor interleave_int8(torch::Tensor q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.size(1) % shardlm::QBLOCK == 0,
+              "interleave_int8: int8 codes (n, kp) with kp a multiple of 32 expected, got ", q.sizes(), " ",
+              q.scalar_type());
+  auto out = q.contiguous().clone();
+  shardlm::interleave_codes(out.data_ptr<int8_t>(), out.size(0), out.size(1));
+  return out;
+}
+
 // Prefill with an int8 weight: the arguments of gemv_int8, through the integer panels.
-torch::Tensor prefill_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide) {
+torch::Tensor prefill_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide,
+                           bool interleaved) {
   check_int8(q, scale, x_in.size(-1), "prefill_int8");
+  TORCH_CHECK(!interleaved || exact || wide, "prefill_int8: interleaved codes are summed exact only; pass exact=True");
   const auto scale32 = scale.to(torch::kFloat).contiguous();
   return integer_panels<false>(x_in, 0, q.size(1), q.size(0), q.data_ptr<int8_t>(), scale32.data_ptr<float>(), nullptr,
-                               exact, wide);
+                               exact, wide, interleaved);
 }
 
 // Prefill with an int4 weight: the arguments of gemm_int4, through the integer panels (gemm_int4's arithmetic per
@@ -276,7 +293,8 @@ static torch::Tensor greedy_logits(const GreedyModel& m, const torch::Tensor& h)
   const auto x = h.view({h.size(0), 1, h.size(1)});  // (b, 1, dim), as the module path holds it
   const auto normed = at::rms_norm(x.to(torch::kFloat), {h.size(1)}, std::nullopt, m.norm_eps).to(x.scalar_type());
   const auto y = m.norm_weight * normed;
-  const auto logits = m.head_q.has_value() ? gemv_int8(y, *m.head_q, *m.head_scale, m.head_exact, false)
+  const auto logits = m.head_q.has_value() ? gemv_int8(y, *m.head_q, *m.head_scale, m.head_exact, false,
+                                                       false)  // the head's codes are natural (greedy_run.py)
                       : m.head4_codes.has_value()
                           ? gemm_int4(y, *m.head4_codes, *m.head4_sz, m.head4_pad_left, m.head4_rows, m.head_exact, false)
                           : gemv(y, *m.head_weight);  // (b, 1, vocab)
@@ -347,17 +365,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_rows", &draw_rows, "each row's inverse-CDF draw, as runtime/sampling.py's draw", py::arg("probs"),
         py::arg("u"));
   m.def("gemv_int8", &gemv_int8, "matrix product with int8 weights and per-row scales (wide: float64 out)",
-        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false,
+        py::arg("interleaved") = false);
   m.def("gemm_int4", &gemm_int4, "matrix product with int4 weights in groups of 32 (wide: float64 out)",
         py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
   m.def("prefill_float", &prefill_float, "many-row product with float32 or bfloat16 weights (in place for a few rows, "
         "else through panels)", py::arg("x"), py::arg("w"), py::arg("few_rows") = shardlm::FEW_ROWS);
   m.def("prefill_int8", &prefill_int8, "many-row product with int8 weights through integer panels",
-        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false);
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false,
+        py::arg("interleaved") = false);
   m.def("prefill_int4", &prefill_int4, "many-row product with int4 weights through integer panels",
         py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
+  m.def("interleave_int8", &interleave_int8, "an int8 weight's codes (n, kp) in qexact.h's interleaved order, or "
+        "back (the same transpose)", py::arg("q"));
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");
   m.def("bf16_dot", [] { return shardlm::BF16_DOT; }, "whether bfloat16 rows use avx512_bf16 dot products");
   m.def("prefill_attention", &shardlm::prefill_attention, "attention of every position of a prefill pass");

@@ -7,8 +7,8 @@
 // row's weight scale multiplies the finished sum. Every (weight row, activation row) pair keeps its own
 // accumulators and order, so a row's result does not depend on the batch around it. Weights whose rows tensor
 // parallelism splits (o and down projections; `exact`) take one term a block: the block's 32 products summed in
-// int32 (exact), times the block's activation scale in float, added in double (`exact_rows`). A block's term is
-// the same on every layout and every build (vector or scalar), and double sums in any order round to the same
+// int32 (exact), times the block's activation scale in float, added in double (`exact_rows`, qexact.h). A block's
+// term is the same on every layout and every build (vector or scalar), and double sums in any order round to the same
 // float (but for a chance of about 2^-29 per value), so a row-parallel rank's partial sums, all-reduced in
 // double, give the one-rank result, and quantized tokens do not depend on the tensor-parallel degree. The others
 // keep float lane accumulators, one multiply-add a block (one rank always adds a whole row in the same order); on
@@ -33,6 +33,7 @@ struct QuantRows {
   std::vector<float> scales;
   std::vector<float> sums;  // (b, kp / 32): scale * the block's sum of codes (the int4 zero-point term)
   int64_t kp = 0, blocks = 0;
+  bool interleaved = false;  // codes in qexact.h's interleaved order (for an exact weight whose codes are)
 };
 
 // 32767 / amax, the factor that turns a block's values into codes; 0 for a block of zeros, and for one whose max is
@@ -97,6 +98,7 @@ inline void quantize_row(const float* x, int64_t k, int64_t kp, int16_t* codes, 
 inline void size_rows(QuantRows& out, int64_t b, int64_t kp) {
   out.kp = kp;
   out.blocks = kp / QBLOCK;
+  out.interleaved = false;
   out.codes.resize(b * kp);
   out.scales.resize(b * out.blocks);
   out.sums.resize(b * out.blocks);
@@ -340,116 +342,11 @@ __attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, c
 #endif
 }
 
-#if defined(SHARDLM_Q8_WIDE)
-// Lane i of the result = the sum of v[i]'s sixteen int32 lanes (integer adds, exact in any order): a transpose
-// and add in four rounds, 45 instructions for sixteen blocks where one horizontal sum a block takes more.
-__attribute__((always_inline)) inline __m512i lane_sums(const __m512i* v) {
-  __m512i t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
-    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
-                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // each 128-bit lane: that lane's sums of v[4i], ..., v[4i+3]
-    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
-                            _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-  // the four 128-bit lanes added: lanes (0, 2) and (1, 3) of two vectors at a time
-  const __m512i w0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
-  const __m512i w1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
-}
-constexpr int EXACT_GROUP = 16;  // blocks whose integer sums one lane_sums call finishes
-inline int32_t lane_sum(__m512i v) { return _mm512_reduce_add_epi32(v); }
-// acc[0], acc[1] += v's lanes 0-7, 8-15 as doubles.
-inline void add_as_doubles(__m512d* acc, __m512 v) {
-  acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-  acc[1] = _mm512_add_pd(acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
-}
-// Block terms float(sums) * scales added into a pair's double lanes.
-inline void add_terms(__m512d* acc, __m512i sums, const float* scales) {
-  add_as_doubles(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(scales)));
-}
-inline double lanes_total(const __m512d* acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc[0], acc[1])); }
-using ExactLanes = __m512d;
-using BlockSums = __m512i;
-#elif defined(__AVX2__)
-// Lane i of the result = the sum of v[i]'s eight int32 lanes (integer adds, exact in any order).
-__attribute__((always_inline)) inline __m256i lane_sums(const __m256i* v) {
-  const __m256i h0 = _mm256_hadd_epi32(v[0], v[1]), h1 = _mm256_hadd_epi32(v[2], v[3]);
-  const __m256i h2 = _mm256_hadd_epi32(v[4], v[5]), h3 = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i s0 = _mm256_hadd_epi32(h0, h1), s1 = _mm256_hadd_epi32(h2, h3);  // [v0..v3 | v0..v3] half sums
-  return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
-}
-constexpr int EXACT_GROUP = 8;
-inline int32_t lane_sum(__m256i v) {
-  const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  const __m128i p = _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
-  return _mm_cvtsi128_si32(_mm_add_epi32(p, _mm_shuffle_epi32(p, 1)));
-}
-// acc[0], acc[1] += v's lanes 0-3, 4-7 as doubles.
-inline void add_as_doubles(__m256d* acc, __m256 v) {
-  acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-  acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-}
-inline void add_terms(__m256d* acc, __m256i sums, const float* scales) {
-  add_as_doubles(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(scales)));
-}
-inline double lanes_total(const __m256d* acc) {
-  alignas(32) double l[4];
-  _mm256_store_pd(l, _mm256_add_pd(acc[0], acc[1]));
-  return (l[0] + l[1]) + (l[2] + l[3]);
-}
-using ExactLanes = __m256d;
-using BlockSums = __m256i;
-#endif
+}  // namespace shardlm
 
-#if defined(SHARDLM_Q8_WIDE) || defined(__AVX2__)
-// One (weight row, activation row) pair of an `exact` weight: dot_q8_scalar's block terms, float(the block's int32
-// sum) * its scale, added in double; EXACT_GROUP blocks' integer sums finished together. `ahead` (or null): the
-// row PREFETCH_ROWS on, asked for a cache line at a time.
-__attribute__((always_inline)) inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j,
-                                                        const int8_t* ahead) {
-  const int16_t* xc = x.codes.data() + j * x.kp;
-  const float* ds = x.scales.data() + j * x.blocks;
-  ExactLanes acc[2] = {};
-  int64_t blk = 0;
-  for (; blk + EXACT_GROUP <= x.blocks; blk += EXACT_GROUP) {
-    BlockSums v[EXACT_GROUP];
-    for (int i = 0; i < EXACT_GROUP; ++i) {
-      if (ahead != nullptr && i % 2 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + (blk + i) * QBLOCK), _MM_HINT_T0);
-      v[i] = dot_block(widen_block(w + (blk + i) * QBLOCK), xc + (blk + i) * QBLOCK);
-    }
-    add_terms(acc, lane_sums(v), ds + blk);
-  }
-  double s = lanes_total(acc);
-  for (; blk < x.blocks; ++blk) {
-    if (ahead != nullptr && blk % 2 == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + blk * QBLOCK), _MM_HINT_T0);
-    const int32_t isum = lane_sum(dot_block(widen_block(w + blk * QBLOCK), xc + blk * QBLOCK));
-    s += static_cast<double>(static_cast<float>(isum) * ds[blk]);
-  }
-  return s;
-}
-#else
-inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j, const int8_t*) {
-  return dot_q8_scalar(w, x, j);
-}
-#endif
+#include "qexact.h"  // the `exact` sums: after the blocks and dot products they use
 
-// Rows [lo, hi) of an `exact` weight against every activation row (see the top of this file): a pair at a time,
-// the first activation row's pass asking for the rows ahead.
-template <typename T>
-inline void exact_rows(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n,
-                       int64_t b, int64_t lo, int64_t hi) {
-  for (int64_t r = lo; r < hi; ++r)
-    for (int64_t j = 0; j < b; ++j) {
-#if defined(__AVX2__)
-      const int8_t* ahead = j == 0 && r + PREFETCH_ROWS < n ? w + (r + PREFETCH_ROWS) * ldw : nullptr;
-#else
-      const int8_t* ahead = nullptr;
-#endif
-      y[j * n + r] = static_cast<T>(static_cast<double>(scale[r]) * exact_pair(w + r * ldw, x, j, ahead));
-    }
-}
+namespace shardlm {
 
 // (The tiles are forced inline into `tile_rows`: called through the Int8Tiles functor, GCC kept them
 // out of line and batch-8 int8 ran 12 % slower, measured.)

@@ -89,6 +89,9 @@ class DecodeStack {
     for (const Linear* l : {&b.k, &b.v, &b.o, &b.gate, &b.up, &b.down})
       TORCH_CHECK(l->quantized() == quantized && l->int4() == b.q.int4(), "decode stack: block ", i,
                   " mixes quantized and float (or int8 and int4) weights");
+    for (const Linear* l : {&b.q, &b.k, &b.v, &b.gate, &b.up})
+      TORCH_CHECK(!l->interleaved, "decode stack: block ", i, " has interleaved int8 codes in a weight summed in "
+                  "float (only the o and down projections, summed exact, take them)");
     TORCH_CHECK(b.kv_map.scalar_type() == torch::kLong && b.kv_map.is_contiguous() && b.kv_map.dim() == 1,
                 "decode stack: block ", i, " kv_map must be a contiguous (hq,) int64 tensor");
     b.ln1f = f32(b.ln1);

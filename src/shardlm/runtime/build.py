@@ -39,7 +39,7 @@ from shardlm.parallel.context import ParallelContext
 from shardlm.parallel.styles import Rowwise, RowwiseHeads, ShardCoord, param_slices, style_for
 from shardlm.parallel.tensor import RowParallelLinear, parallelize
 from shardlm.plan.plan import RankSpec
-from shardlm.quant import quantize_embedding, quantize_linear
+from shardlm.quant import Int8Weight, quantize_embedding, quantize_linear
 from shardlm.quant_spec import QuantizationError, check_kind, is_quantizable
 from shardlm.runtime.cuda_graph import GraphDecoders
 from shardlm.runtime.gpu_blocks import install_gemv_blocks
@@ -77,7 +77,7 @@ def build_rank_model(spec: RankSpec, source: ModelSource, ctx: ParallelContext, 
         raise
     finish_model(model, coord, device)
     quantize_vocab(model, spec, dtype)
-    mark_exact_sums(model, source.family)
+    mark_exact_sums(model, source.family, target.streamed)
     streamer = start_streamer(model, target, extents, vocab, device, spec, settings, offload_io)
     kernels = choose_kernels(model, spec, device, dtype, settings, streamer is not None, mapped)
     graphs = GraphDecoders(model, kernels.compiled) if kernels.cuda_graphs else None
@@ -317,14 +317,24 @@ def quantize_vocab(model: nn.Module, spec: RankSpec, dtype: torch.dtype) -> None
     trim_heap()  # the float table
 
 
-def mark_exact_sums(model: nn.Module, family: Family) -> None:
+def mark_exact_sums(model: nn.Module, family: Family, streamed: set[int] = frozenset()) -> None:
     """Flag the quantized weights whose rows tensor parallelism splits by input column (the family's row-wise
     styles: o_proj, down_proj), at any tp: their kernels sum in double, so a tp 1 rank rounds what tp N ranks'
-    float64 partial sums add up to, and quantized tokens do not depend on the layout (shardlm.quant)."""
+    float64 partial sums add up to, and quantized tokens do not depend on the layout (shardlm.quant). The int8
+    ones a CPU rank holds in memory (not in the `streamed` layers, which come back from the store as written) get
+    their codes interleaved, the order their kernel reads fastest (csrc/qexact.h); the numbers are the same."""
     for name, module in model.named_modules():
         kw = getattr(module, "kernel_weight", None)
         if hasattr(kw, "exact") and isinstance(style_for(name, family.tp_plan), (Rowwise, RowwiseHeads)):
             kw.exact = True
+            if isinstance(kw, Int8Weight) and kw.q.device.type == "cpu" and _layer_of(name) not in streamed:
+                kw.interleave()
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a module name sits in ("model.layers.3.mlp.down_proj" -> 3), None outside the layers."""
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts[:-1] else None
 
 
 def start_streamer(model: nn.Module, target: OffloadTarget, extents: dict, vocab: dict, device: torch.device,

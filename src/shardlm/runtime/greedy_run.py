@@ -49,7 +49,8 @@ def rope_table(inv_freq: torch.Tensor, max_len: int, head_dim: int, dtype: torch
 
 def _embedding(module: nn.Module, gm) -> bool:
     """Fill gm's embedding fields from `module`; False when it is a kind the run does not take."""
-    if isinstance(module, Int8Embedding) and module.ctx is None and module.start == 0:
+    if isinstance(module, Int8Embedding) and module.ctx is None and module.start == 0 \
+            and not module.kernel_weight.interleaved:
         kw = module.kernel_weight
         gm.embed_q, gm.embed_scale, gm.embed_width = kw.q, kw.scale, kw.in_features
         return True
@@ -64,7 +65,7 @@ def _head(module: nn.Module, gm) -> bool:
     if getattr(module, "bias", None) is not None or getattr(module, "gemv", None) is None:
         return False
     kw = getattr(module, "kernel_weight", None)
-    if isinstance(kw, Int8Weight) and kw.gemv is not None:
+    if isinstance(kw, Int8Weight) and kw.gemv is not None and not kw.interleaved:  # the run reads natural codes
         gm.head_q, gm.head_scale, gm.head_exact = kw.q, kw.scale, kw.exact
         return True
     if isinstance(kw, Int4Weight) and kw.gemv is not None and not kw.packed.is_cuda:

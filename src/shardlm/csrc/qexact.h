@@ -1,0 +1,223 @@
+// The `exact` sums of int8 weights (the o and down projections, whose rows tensor parallelism splits; see the top
+// of qrows.h): each block's int32 sum of products, times the block's activation scale in float, added in double.
+//
+// Interleaved codes. Finishing a block's sum had taken a horizontal reduction of its lanes (lane_sums: a transpose,
+// about 45 shuffles and adds for sixteen blocks), and the exact products ran at 0.6x the float-summed ones' rate
+// from the caches. A rank therefore keeps such a weight's codes interleaved (`interleave_codes`): in each group of
+// IGROUP columns (sixteen blocks of 32) from column 0, the codes of column pair i of block l sit at pair position
+// 16 i + l (a 16 x 16 transpose of two-byte pairs), and the activation codes are interleaved alike after they are
+// quantized (`interleave_rows`). Then the 32 codes at bytes [32 i, 32 i + 32) of a group hold pair i of all sixteen
+// blocks, so the integer multiply-adds of the group's sixteen loads add up, lane l, to block l's sum: no reduction
+// left, the same integers, and the same terms added in the same order as the natural layout's, bit for bit. Columns
+// past the last whole group keep their natural order. Scratch C++ benchmark of 2 threads over a 2.4 MB weight from
+// the caches (2026-11-29): interleaved 102 GB/s, natural 62 GB/s, the float-summed rows 75 GB/s.
+// Included by qrows.h after the blocks, dot products and QuantRows it uses.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace shardlm {
+
+constexpr int64_t IGROUP_BLOCKS = 16;              // blocks an interleaved group holds
+constexpr int64_t IGROUP = IGROUP_BLOCKS * QBLOCK;  // its columns: 512
+
+// The position of column c in a row of kp interleaved codes (kp a multiple of QBLOCK): within a whole group, pair i
+// of block l at pair 16 i + l; past the last whole group, c itself.
+inline int64_t interleaved_column(int64_t c, int64_t kp) {
+  if (c >= kp / IGROUP * IGROUP) return c;
+  const int64_t g = c / IGROUP, r = c % IGROUP, l = r / QBLOCK, i = (r % QBLOCK) / 2;
+  return g * IGROUP + i * QBLOCK + l * 2 + r % 2;
+}
+
+// Each row of rows x kp values (codes of one or two bytes) from the natural order to the interleaved one; the
+// transpose is its own inverse, so the same call turns interleaved rows back.
+template <typename C>
+inline void interleave_codes(C* v, int64_t rows, int64_t kp) {
+  std::vector<C> group(IGROUP);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g + IGROUP <= kp; g += IGROUP) {
+      C* at = v + r * kp + g;
+      std::copy(at, at + IGROUP, group.begin());
+      for (int64_t c = 0; c < IGROUP; ++c) at[interleaved_column(c, IGROUP)] = group[c];
+    }
+}
+
+// x's activation codes interleaved for a weight whose codes are (decode.h's quantize_for).
+inline void interleave_rows(QuantRows& x, int64_t b) {
+  interleave_codes(x.codes.data(), b, x.kp);
+  x.interleaved = true;
+}
+
+#if defined(SHARDLM_Q8_WIDE)
+// Lane i of the result = the sum of v[i]'s sixteen int32 lanes (integer adds, exact in any order): a transpose
+// and add in four rounds, 45 instructions for sixteen blocks where one horizontal sum a block takes more.
+__attribute__((always_inline)) inline __m512i lane_sums(const __m512i* v) {
+  __m512i t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // each 128-bit lane: that lane's sums of v[4i], ..., v[4i+3]
+    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                            _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+  // the four 128-bit lanes added: lanes (0, 2) and (1, 3) of two vectors at a time
+  const __m512i w0 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xDD));
+  const __m512i w1 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
+}
+constexpr int EXACT_GROUP = 16;  // blocks whose integer sums one lane_sums call finishes
+inline int32_t lane_sum(__m512i v) { return _mm512_reduce_add_epi32(v); }
+// acc[0], acc[1] += v's lanes 0-7, 8-15 as doubles.
+inline void add_as_doubles(__m512d* acc, __m512 v) {
+  acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  acc[1] = _mm512_add_pd(acc[1], _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+}
+// Block terms float(sums) * scales added into a pair's double lanes.
+inline void add_terms(__m512d* acc, __m512i sums, const float* scales) {
+  add_as_doubles(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(scales)));
+}
+inline double lanes_total(const __m512d* acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc[0], acc[1])); }
+using ExactLanes = __m512d;
+using BlockSums = __m512i;
+#elif defined(__AVX2__)
+// Lane i of the result = the sum of v[i]'s eight int32 lanes (integer adds, exact in any order).
+__attribute__((always_inline)) inline __m256i lane_sums(const __m256i* v) {
+  const __m256i h0 = _mm256_hadd_epi32(v[0], v[1]), h1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i h2 = _mm256_hadd_epi32(v[4], v[5]), h3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i s0 = _mm256_hadd_epi32(h0, h1), s1 = _mm256_hadd_epi32(h2, h3);  // [v0..v3 | v0..v3] half sums
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+}
+constexpr int EXACT_GROUP = 8;
+inline int32_t lane_sum(__m256i v) {
+  const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i p = _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
+  return _mm_cvtsi128_si32(_mm_add_epi32(p, _mm_shuffle_epi32(p, 1)));
+}
+// acc[0], acc[1] += v's lanes 0-3, 4-7 as doubles.
+inline void add_as_doubles(__m256d* acc, __m256 v) {
+  acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+inline void add_terms(__m256d* acc, __m256i sums, const float* scales) {
+  add_as_doubles(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(scales)));
+}
+inline double lanes_total(const __m256d* acc) {
+  alignas(32) double l[4];
+  _mm256_store_pd(l, _mm256_add_pd(acc[0], acc[1]));
+  return (l[0] + l[1]) + (l[2] + l[3]);
+}
+using ExactLanes = __m256d;
+using BlockSums = __m256i;
+#endif
+
+#if defined(SHARDLM_Q8_WIDE)
+// An interleaved group's sixteen block sums, lane l = block l: the group's sixteen 32-code loads multiply-added with
+// the activation codes in two chains (integer adds: exact in any order). `ahead` (or null): asked for a line a step.
+__attribute__((always_inline)) inline __m512i interleaved_sums(const int8_t* w, const int16_t* x, const int8_t* ahead) {
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+  auto add_pair = [&](__m512i& acc, int64_t i) {
+    const __m512i wv = widen_int8_32(w + i * QBLOCK).v, xv = _mm512_loadu_si512(x + i * QBLOCK);
+#if defined(__AVX512VNNI__)
+    acc = _mm512_dpwssd_epi32(acc, wv, xv);
+#else
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(wv, xv));
+#endif
+  };
+  for (int64_t i = 0; i < IGROUP_BLOCKS; i += 2) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * QBLOCK), _MM_HINT_T0);
+    add_pair(even, i);
+    add_pair(odd, i + 1);
+  }
+  return _mm512_add_epi32(even, odd);
+}
+// The group's terms into acc: one add_terms of the sixteen sums, as the natural layout's lane_sums gives them.
+__attribute__((always_inline)) inline void add_interleaved(ExactLanes* acc, const int8_t* w, const int16_t* x,
+                                                           const float* ds, const int8_t* ahead) {
+  add_terms(acc, interleaved_sums(w, x, ahead), ds);
+}
+#elif defined(__AVX2__)
+// With AVX2 the same group in two halves: a load's first sixteen codes are pair i of blocks 0-7, the rest of blocks
+// 8-15; their terms go in as two groups of EXACT_GROUP (8), as the natural layout's do.
+__attribute__((always_inline)) inline void add_interleaved(ExactLanes* acc, const int8_t* w, const int16_t* x,
+                                                           const float* ds, const int8_t* ahead) {
+  __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
+  for (int64_t i = 0; i < IGROUP_BLOCKS; ++i) {
+    if (ahead != nullptr && i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * QBLOCK), _MM_HINT_T0);
+    const Codes16 wv = widen_int8(w + i * QBLOCK);
+    const __m256i* xv = reinterpret_cast<const __m256i*>(x + i * QBLOCK);
+    low = _mm256_add_epi32(low, _mm256_madd_epi16(wv.lo, _mm256_loadu_si256(xv)));
+    high = _mm256_add_epi32(high, _mm256_madd_epi16(wv.hi, _mm256_loadu_si256(xv + 1)));
+  }
+  add_terms(acc, low, ds);
+  add_terms(acc, high, ds + EXACT_GROUP);
+}
+#endif
+
+#if defined(SHARDLM_Q8_WIDE) || defined(__AVX2__)
+// One (weight row, activation row) pair of an `exact` weight: dot_q8_scalar's block terms, float(the block's int32
+// sum) * its scale, added in double; EXACT_GROUP blocks' integer sums finished together, or with interleaved codes
+// (x.interleaved) a whole group's at once. `ahead` (or null): the row PREFETCH_ROWS on, asked for a cache line at a
+// time.
+__attribute__((always_inline)) inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j,
+                                                        const int8_t* ahead) {
+  const int16_t* xc = x.codes.data() + j * x.kp;
+  const float* ds = x.scales.data() + j * x.blocks;
+  ExactLanes acc[2] = {};
+  int64_t blk = 0;
+  if (x.interleaved)
+    for (; blk + IGROUP_BLOCKS <= x.blocks; blk += IGROUP_BLOCKS)
+      add_interleaved(acc, w + blk * QBLOCK, xc + blk * QBLOCK, ds + blk,
+                      ahead != nullptr ? ahead + blk * QBLOCK : nullptr);
+  for (; blk + EXACT_GROUP <= x.blocks; blk += EXACT_GROUP) {
+    BlockSums v[EXACT_GROUP];
+    for (int i = 0; i < EXACT_GROUP; ++i) {
+      if (ahead != nullptr && i % 2 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (blk + i) * QBLOCK), _MM_HINT_T0);
+      v[i] = dot_block(widen_block(w + (blk + i) * QBLOCK), xc + (blk + i) * QBLOCK);
+    }
+    add_terms(acc, lane_sums(v), ds + blk);
+  }
+  double s = lanes_total(acc);
+  for (; blk < x.blocks; ++blk) {
+    if (ahead != nullptr && blk % 2 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + blk * QBLOCK), _MM_HINT_T0);
+    const int32_t isum = lane_sum(dot_block(widen_block(w + blk * QBLOCK), xc + blk * QBLOCK));
+    s += static_cast<double>(static_cast<float>(isum) * ds[blk]);
+  }
+  return s;
+}
+#else
+// Without vector units: the blocks' products at their interleaved positions where the codes are interleaved.
+inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j, const int8_t*) {
+  if (!x.interleaved) return dot_q8_scalar(w, x, j);
+  double s = 0.0;
+  const int16_t* xc = x.codes.data() + j * x.kp;
+  for (int64_t blk = 0; blk < x.blocks; ++blk) {
+    int32_t acc = 0;
+    for (int64_t c = blk * QBLOCK; c < (blk + 1) * QBLOCK; ++c) {
+      const int64_t at = interleaved_column(c, x.kp);
+      acc += static_cast<int32_t>(w[at]) * xc[at];
+    }
+    s += static_cast<double>(static_cast<float>(acc) * x.scales[j * x.blocks + blk]);
+  }
+  return s;
+}
+#endif
+
+// Rows [lo, hi) of an `exact` weight against every activation row (see the top of this file): a pair at a time,
+// the first activation row's pass asking for the rows ahead.
+template <typename T>
+inline void exact_rows(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n,
+                       int64_t b, int64_t lo, int64_t hi) {
+  for (int64_t r = lo; r < hi; ++r)
+    for (int64_t j = 0; j < b; ++j) {
+#if defined(__AVX2__)
+      const int8_t* ahead = j == 0 && r + PREFETCH_ROWS < n ? w + (r + PREFETCH_ROWS) * ldw : nullptr;
+#else
+      const int8_t* ahead = nullptr;
+#endif
+      y[j * n + r] = static_cast<T>(static_cast<double>(scale[r]) * exact_pair(w + r * ldw, x, j, ahead));
+    }
+}
+
+
+}  // namespace shardlm

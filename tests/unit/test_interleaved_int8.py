@@ -1,0 +1,152 @@
+"""Interleaved int8 codes (csrc/qexact.h): the o and down projections' codes a CPU rank holds transposed in groups of
+sixteen blocks, so that their exact sums need no horizontal reduction. The numbers must be the natural layout's bit
+for bit (decode and prefill, split and whole, every batch size), the layout must reach exactly the weights that are
+summed exact and held in memory, and every path that reads codes some other way must read them in natural order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refs import int8_exact_reference
+from shardlm.quant import Int8Weight, interleave_columns, pack_int8, quantize_int8
+
+SHAPES = [(7, 576), (33, 1536), (5, 512), (9, 1120), (16, 32), (3, 2048), (4, 200)]
+"""(rows, columns): one whole group and a tail, three groups, one group exactly, two and a partial, one block, four
+groups, and less than a group (nothing moves)."""
+
+
+@pytest.fixture(scope="module")
+def ext(kernel_ext):
+    return kernel_ext
+
+
+def _weight(n: int, k: int, seed: int) -> Int8Weight:
+    return quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_the_order_is_a_transpose_of_pairs_in_whole_groups_and_its_own_inverse(n, k, ext):
+    q = _weight(n, k, 1).q
+    moved = interleave_columns(q)
+    assert torch.equal(moved, ext.interleave_int8(q)), "the Python and C++ orders differ"
+    assert torch.equal(interleave_columns(moved), q)
+    whole = q.shape[1] // 512 * 512
+    assert torch.equal(moved[:, whole:], q[:, whole:]), "columns past the last whole group keep their place"
+    if whole:  # pair i of block l at pair position 16 i + l
+        for l, i in ((0, 0), (1, 0), (0, 1), (3, 7), (15, 15)):
+            assert torch.equal(moved[:, 2 * (16 * i + l):2 * (16 * i + l) + 2], q[:, 32 * l + 2 * i:32 * l + 2 * i + 2])
+        assert not torch.equal(moved[:, :whole], q[:, :whole])
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_interleaved_exact_sums_are_the_natural_ones_bit_for_bit(n, k, ext):
+    """gemv_int8 and prefill_int8, float32 and float64 (wide) out, 1 to 40 rows: the interleaved codes give the
+    documented exact arithmetic (refs.int8_exact_reference) exactly as the natural ones do."""
+    qw = _weight(n, k, 2)
+    moved = interleave_columns(qw.q)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(3))
+    want = int8_exact_reference(x, qw.q, qw.scale)
+    for b in (1, 2, 5, 17, 40):
+        assert torch.equal(ext.gemv_int8(x[:b], moved, qw.scale, exact=True, interleaved=True), want[:b]), b
+        for kernel in (ext.gemv_int8, ext.prefill_int8):
+            natural = kernel(x[:b], qw.q, qw.scale, exact=True, wide=True)
+            assert torch.equal(kernel(x[:b], moved, qw.scale, exact=True, wide=True, interleaved=True), natural), b
+            assert torch.equal(kernel(x[:b], moved, qw.scale, exact=True, interleaved=True),
+                               kernel(x[:b], qw.q, qw.scale, exact=True)), (kernel, b)
+
+
+def test_a_row_parallel_split_of_interleaved_weights_adds_up_to_the_whole(ext):
+    """Two ranks' halves of a down projection (1536 columns: 768 each, one whole group and a tail apiece), each
+    interleaved on its own, summed in float64: the one-rank result of the interleaved whole."""
+    qw = _weight(24, 1536, 4)
+    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(5))
+    whole = ext.gemv_int8(x, interleave_columns(qw.q), qw.scale, exact=True, interleaved=True)
+    parts = [ext.gemv_int8(x[:, c:c + 768], interleave_columns(qw.q[:, c:c + 768].contiguous()), qw.scale,
+                           wide=True, interleaved=True) for c in (0, 768)]
+    assert torch.equal((parts[0] + parts[1]).float(), whole)
+
+
+def test_interleaved_codes_are_refused_where_a_float_sum_would_read_them(ext):
+    qw = _weight(4, 576, 6)
+    x = torch.randn(1, 576)
+    for kernel in (ext.gemv_int8, ext.prefill_int8):
+        with pytest.raises(RuntimeError, match="interleaved codes are summed exact only; pass exact=True"):
+            kernel(x, interleave_columns(qw.q), qw.scale, interleaved=True)
+    with pytest.raises(ValueError, match="only an exact int8 weight on the CPU"):
+        qw.interleave()  # not flagged exact: its kernel sums in float lanes
+    qw.exact = True
+    qw.interleave()
+    with pytest.raises(ValueError, match="not yet interleaved"):
+        qw.interleave()
+
+
+def test_every_reader_of_an_interleaved_weight_gets_the_natural_numbers(ext):
+    """matmul_t through the kernels (decode and prefill rows) and without them (torch's int8 kernel on natural
+    codes), and natural_q, on an interleaved weight equal the same weight left natural."""
+    w = torch.randn(40, 600, generator=torch.Generator().manual_seed(7))
+    plain, moved = pack_int8(*_codes(w)), pack_int8(*_codes(w))
+    plain.exact = moved.exact = True
+    moved.interleave()
+    assert moved.interleaved and not torch.equal(moved.q, plain.q)
+    assert torch.equal(moved.natural_q(), plain.q)
+    g = torch.Generator().manual_seed(8)
+    inputs = (torch.randn(1, 600, generator=g), torch.randn(3, 600, generator=g), torch.randn(2, 100, 600, generator=g))
+    for x in inputs:  # (2, 100, 600): a prefill of two prompts, through the panels
+        for gemv in (ext, None):
+            plain.gemv = moved.gemv = gemv
+            assert torch.equal(moved.matmul_t(x), plain.matmul_t(x)), (x.shape, gemv)
+
+
+def _codes(w: torch.Tensor):
+    from shardlm.quant import int8_codes
+
+    return int8_codes(w)
+
+
+def _logits_and_tokens(rank, prompts: list[list[int]]):
+    from shardlm.runtime.protocol import SamplingParams
+    from shardlm.runtime.step import Batch, attention_mask, generate, positions_for
+
+    batch = Batch.from_lists(prompts)
+    s = batch.tokens.shape[1]
+    logits = rank(batch.tokens, positions_for(batch.valid), attention_mask(batch.valid, 0, s, None))
+    return logits, generate(rank, batch, 12, SamplingParams(), ())
+
+
+def _code_weights(rank):
+    return {name: m.kernel_weight for name, m in rank.module.named_modules()
+            if isinstance(getattr(m, "kernel_weight", None), Int8Weight)}
+
+
+def test_a_rank_interleaves_its_resident_exact_weights_and_its_tokens_stay(bundled_dir, prompt64):
+    """The bundled model in int8 on one rank (576 and 1536 columns: whole groups and tails): the o and down
+    projections it holds in memory are interleaved and nothing else is; its prefill logits and greedy tokens (fused
+    decode) equal those of the same rank with those codes put back in natural order."""
+    from refs import build
+
+    prompts = [prompt64[:40], prompt64[:23]]
+    rank = build(bundled_dir, quantization="int8", quantize_embedding=True)
+    weights = _code_weights(rank)
+    moved = {name for name, kw in weights.items() if kw.interleaved}
+    assert moved == {name for name in weights if name.endswith(("o_proj", "down_proj"))} and len(moved) == 60
+    got = _logits_and_tokens(rank, prompts)
+    natural = build(bundled_dir, quantization="int8", quantize_embedding=True)
+    for kw in _code_weights(natural).values():
+        if kw.interleaved:
+            kw.q, kw.interleaved = kw.natural_q(), False
+    want = _logits_and_tokens(natural, prompts)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+def test_layers_streamed_from_disk_keep_natural_codes(bundled_dir, tmp_path):
+    """With layers offloaded to disk, the streamed layers' exact weights come back from the store as they were
+    written (natural order, not interleaved) and the resident ones are interleaved."""
+    from refs import build
+
+    rank = build(bundled_dir, quantization="int8", memory_budget=130 * 2**20, offload_dir=str(tmp_path))
+    assert rank.streamed, "the budget should stream some layers"
+    for name, kw in _code_weights(rank).items():
+        if name.endswith(("o_proj", "down_proj")):
+            layer = int(name.split(".")[2])
+            assert kw.interleaved == (layer not in rank.streamed), name
