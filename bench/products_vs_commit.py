@@ -1,6 +1,6 @@
 """The decode products of this tree's kernels against an earlier commit's, both loaded in one process.
 
-    python bench/products_vs_commit.py --commit d92a995 [--format float32|bfloat16|int8] [--rows 1,4,16]
+    python bench/products_vs_commit.py --commit d92a995 [--format float32|bfloat16|int8 [--exact]] [--rows 1,4,16]
                                        [--passes 16] [--caches]
 
 The bundled model's seven products of a layer (bench/decode_products.py's shapes, random weights) over 30 layers of
@@ -61,12 +61,15 @@ def layer_weights(g: torch.Generator, fmt: str) -> list:
     return out
 
 
-def one_pass(ext, layers: list, xs: dict, fmt: str) -> float:
-    """ms of one pass over `layers` with `ext`'s products (int8: float-summed rows, gemv_int8's default)."""
+def one_pass(ext, layers: list, xs: dict, fmt: str, exact: bool = False) -> float:
+    """ms of one pass over `layers` with `ext`'s products (int8: float-summed rows, gemv_int8's default; `exact`:
+    every product summed exact on interleaved codes, as a rank sums its o and down projections)."""
     t0 = time.perf_counter()
     for layer in layers:
         for k, w in layer:
-            if fmt == "int8":
+            if fmt == "int8" and exact:
+                ext.gemv_int8(xs[k], w.q, w.scale, True, False, True)
+            elif fmt == "int8":
                 ext.gemv_int8(xs[k], w.q, w.scale)
             else:
                 ext.gemv(xs[k], w)
@@ -81,13 +84,22 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--passes", type=int, default=16, help="passes per build and row count")
     ap.add_argument("--caches", action="store_true", help="one layer's weights 30 times instead of 30 layers")
+    ap.add_argument("--exact", action="store_true",
+                    help="int8: every product summed exact on interleaved codes (both trees need csrc/qexact.h)")
     args = ap.parse_args()
     builds = {"this tree": built_kernels(ROOT), args.commit: built_kernels(worktree(args.commit))}
     g = torch.Generator().manual_seed(0)
     layers = [layer_weights(g, args.format) for _ in range(1 if args.caches else LAYERS)]
+    if args.exact:
+        from shardlm.quant import interleave_columns
+
+        for layer in layers:
+            for _, w in layer:
+                w.q, w.interleaved = interleave_columns(w.q), True
     layers = layers * (LAYERS // len(layers))
     where = "one layer's weights 30 times (caches)" if args.caches else "30 layers (memory)"
-    print(f"{torch.get_num_threads()} threads; {args.format}; {where}; {args.passes} passes a build, alternating")
+    print(f"{torch.get_num_threads()} threads; {args.format}{', exact sums' if args.exact else ''}; {where}; "
+          f"{args.passes} passes a build, alternating")
     print(f"| rows | this tree, ms median (best) | {args.commit}, ms median (best) | this / {args.commit} |")
     print("|---|---|---|---|")
     names = list(builds)
@@ -96,7 +108,7 @@ def main() -> None:
         got = {n: [] for n in names}
         for p in range(args.passes):
             for name in names if p % 2 else names[::-1]:
-                got[name].append(one_pass(builds[name], layers, xs, args.format))
+                got[name].append(one_pass(builds[name], layers, xs, args.format, args.exact))
         med = {n: statistics.median(v) for n, v in got.items()}
         cells = " | ".join(f"{med[n]:.2f} ({min(got[n]):.2f})" for n in names)
         print(f"| {b} | {cells} | {med[names[0]] / med[names[1]]:.3f} |", flush=True)
