@@ -155,8 +155,8 @@ __attribute__((always_inline)) inline void add_interleaved(ExactLanes* acc, cons
 #if defined(SHARDLM_Q8_WIDE) || defined(__AVX2__)
 // One (weight row, activation row) pair of an `exact` weight: dot_q8_scalar's block terms, float(the block's int32
 // sum) * its scale, added in double; EXACT_GROUP blocks' integer sums finished together, or with interleaved codes
-// (x.interleaved) a whole group's at once. `ahead` (or null): the row PREFETCH_ROWS on, asked for a cache line at a
-// time.
+// (x.interleaved) a whole group's at once. `ahead` (or null): w's bytes STREAM_AHEAD on (the weight's rows lie one
+// after another, so one address stream), asked for a cache line at a time.
 __attribute__((always_inline)) inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j,
                                                         const int8_t* ahead) {
   const int16_t* xc = x.codes.data() + j * x.kp;
@@ -204,14 +204,16 @@ inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j, const i
 #endif
 
 // Rows [lo, hi) of an `exact` weight against every activation row (see the top of this file): a pair at a time,
-// the first activation row's pass asking for the rows ahead.
+// the first activation row's pass asking for the bytes STREAM_AHEAD on, as row_sums does (where it had asked for
+// the row PREFETCH_ROWS on, every product summed exact at batch 1 took 1.04-1.07x the time from memory:
+// bench/products_vs_commit.py --exact, RESULTS.md stop 53).
 template <typename T>
 inline void exact_rows(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n,
                        int64_t b, int64_t lo, int64_t hi) {
   for (int64_t r = lo; r < hi; ++r)
     for (int64_t j = 0; j < b; ++j) {
 #if defined(__AVX2__)
-      const int8_t* ahead = j == 0 && r + PREFETCH_ROWS < n ? w + (r + PREFETCH_ROWS) * ldw : nullptr;
+      const int8_t* ahead = j == 0 ? w + r * ldw + STREAM_AHEAD : nullptr;
 #else
       const int8_t* ahead = nullptr;
 #endif

@@ -129,7 +129,7 @@ inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, Quan
 // waiting on memory (int8 1536 x 576 from DRAM: 82 us without, 45 us with 16 rows ahead; 8, 32 and 64 were no better).
 constexpr int64_t PREFETCH_ROWS = 16;
 // An int8 tile of one activation row on a 512-bit build walks its weight rows one after another (row_sums) and asks
-// for the line this many bytes past the one it reads.
+// for the line this many bytes past the one it reads; so do the exact rows (qexact.h) on every vector build.
 constexpr int64_t STREAM_AHEAD = 4096;
 // A block of 32 weight codes as two vectors of 16 int16 (columns 0-15 and 16-31).
 struct Codes16 {
