@@ -3,13 +3,14 @@
 ends without `[DONE]`, a reply with the wrong number of choices, a dropped connection, a server that is down at the
 end, or a SIGTERM exit other than 0.
 
-    python bench/serve_fuzz.py [--requests 600] [--seed 0] [--valid-share 0.4] [--tp 1]
+    python bench/serve_fuzz.py [--requests 600] [--seed 0] [--valid-share 0.4] [--tp 1] [--max-tokens N]
 
 Bad bodies draw each field from values of every JSON type, extremes, empty and huge lists, strings with a lone
 surrogate (JSON lets "\\ud800" through; it reached the tokenizer and gave a 500 until 2026-11-28) and raw bytes that
 are not JSON. Valid bodies mix n up to 16, streaming, logprobs, echo, token-id prompts, batched prompts and stop
-strings. Prints the status counts and every finding (first 30); exits 1 on any finding. A short run is in the suite
-(tests/e2e/test_bench_scripts.py).
+strings; `--max-tokens N` caps what a valid body asks for (a larger or unset max_tokens becomes N; the bodies drawn
+are the same). Prints the status counts and every finding (first 30); exits 1 on any finding. A short run is in the
+suite (tests/e2e/test_bench_scripts.py).
 """
 
 from __future__ import annotations
@@ -53,8 +54,17 @@ def bad_body(r: random.Random, chat: bool) -> dict:
     return b
 
 
-def valid_body(r: random.Random, chat: bool) -> dict:
-    """A body the server should serve (or refuse with a 400 when its prompt and max_tokens pass the context)."""
+def valid_body(r: random.Random, chat: bool, cap: int | None = None) -> dict:
+    """A body the server should serve (or refuse with a 400 when its prompt and max_tokens pass the context);
+    `cap`: a larger or unset max_tokens becomes it, after the draws (so the same seed draws the same bodies)."""
+    b = _valid_draws(r, chat)
+    if cap is not None and (b["max_tokens"] is None or b["max_tokens"] > cap):
+        b["max_tokens"] = cap
+    return b
+
+
+def _valid_draws(r: random.Random, chat: bool) -> dict:
+    """valid_body's random draws, uncapped."""
     b = {"model": NAME, "max_tokens": r.choice([0, 1, 5, 40, 300, None]), "temperature": r.choice([0, 0.7, 1, 2]),
          "top_p": r.choice([1, 0.5, 0.01]), "top_k": r.choice([-1, 0, 1, 50]), "n": r.randint(1, 16),
          "stream": r.random() < 0.5, "seed": r.choice([None, 0, 42, 2**31])}
@@ -91,8 +101,9 @@ def expected_choices(body: dict) -> int | None:
     return batch * body["n"]
 
 
-def one_request(http: httpx.Client, url: str, r: random.Random, valid_share: float) -> tuple[int, str | None, str]:
-    """Send one random request: (status, finding or None, what was sent)."""
+def one_request(http: httpx.Client, url: str, r: random.Random, valid_share: float,
+                cap: int | None = None) -> tuple[int, str | None, str]:
+    """Send one random request: (status, finding or None, what was sent); `cap` as for valid_body."""
     chat = r.random() < 0.3
     url += "/v1/chat/completions" if chat else "/v1/completions"
     if r.random() < 0.05:
@@ -100,7 +111,7 @@ def one_request(http: httpx.Client, url: str, r: random.Random, valid_share: flo
         res = http.post(url, content=raw, headers={"content-type": "application/json"})
         return res.status_code, check_reply(res.status_code, res.content, None, None), repr(raw)
     valid = r.random() < valid_share
-    body = valid_body(r, chat) if valid else bad_body(r, chat)
+    body = valid_body(r, chat, cap) if valid else bad_body(r, chat)
     sent = json.dumps(body)  # ASCII escapes: a lone surrogate travels as "\ud800", as JSON allows
     headers = {"content-type": "application/json"}
     if body.get("stream") is True:
@@ -137,6 +148,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--valid-share", type=float, default=0.4)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap on a valid body's max_tokens (default none)")
     args = ap.parse_args()
     r = random.Random(args.seed)
     statuses: Counter = Counter()
@@ -145,7 +157,7 @@ def main() -> None:
         with httpx.Client(timeout=300, headers={"Authorization": f"Bearer {KEY}"}) as http:
             for i in range(args.requests):
                 try:
-                    status, finding, sent = one_request(http, server.url, r, args.valid_share)
+                    status, finding, sent = one_request(http, server.url, r, args.valid_share, args.max_tokens)
                 except httpx.HTTPError as e:
                     findings.append(f"request {i}: {e!r}")
                     break
