@@ -24,10 +24,16 @@ _BUILT: dict = {}
 
 
 def _older_build(arch: str, tmp_path_factory):
-    """The `arch` build of the kernels, built once for the module (a build takes about a minute)."""
+    """The `arch` build of the kernels, built once for the module (a build takes about a minute); skips where this
+    CPU lacks what the build needs."""
+    needs = TARGETS[arch][1]
+    if not needs <= build.cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
     if arch not in _BUILT:
         _BUILT[arch] = build.extension(tmp_path_factory.mktemp(arch), arch=arch)
-    return _BUILT[arch]
+    ext = _BUILT[arch]
+    assert ext is not None, f"the {arch} build failed (see the warning logged above)"
+    return ext
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +44,7 @@ def native(kernel_ext):
 @pytest.mark.parametrize("arch", list(TARGETS))
 def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, native, tmp_path_factory):
     units, needs = TARGETS[arch]
-    if not needs <= build.cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
     ext = _older_build(arch, tmp_path_factory)
-    assert ext is not None, f"the {arch} build failed (see the warning logged above)"
     assert ext.int8_units() == units
     assert build.units_of(ext) == f"int8 on {units}, bfloat16 widened to float32"  # what a rank's log names
     g = torch.Generator().manual_seed(11)
@@ -136,11 +139,8 @@ def test_an_older_build_gives_the_native_decode_blocks(arch, native, tmp_path_fa
     arithmetic in every lane, and the blocks' norms sum their squares in eight lanes on every build: a fused decode
     block (attention and MLP, cache writes included) and prefill attention over rows of 45 keys (runs of 16, of 8,
     and a tail; one row with masked keys inside its range) equal wherever the CPU has FMA."""
-    units, needs = TARGETS[arch]
-    if not needs <= build.cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
+    needs = TARGETS[arch][1]
     ext = _older_build(arch, tmp_path_factory)
-    assert ext is not None, f"the {arch} build failed (see the warning logged above)"
     g = torch.Generator().manual_seed(12)
     for dt in (torch.float32, torch.bfloat16):
         x, ln, ws, cos, sin, kc, vc, rows, pos, kv_map, mask = _decode_inputs(dt, g)
@@ -172,11 +172,7 @@ def test_an_older_build_sums_interleaved_int8_codes_as_the_native_natural_ones(a
     codes bit for bit."""
     from shardlm.quant import interleave_columns
 
-    units, needs = TARGETS[arch]
-    if not needs <= build.cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
     ext = _older_build(arch, tmp_path_factory)
-    assert ext is not None, f"the {arch} build failed (see the warning logged above)"
     g = torch.Generator().manual_seed(12)
     for n, k in ((9, 1120), (6, 1536)):
         q8 = quantize_int8(torch.randn(n, k, generator=g))

@@ -13,33 +13,28 @@
 // the caches (2026-11-29): interleaved 102 GB/s, natural 62 GB/s, the float-summed rows 75 GB/s.
 // Included by qrows.h after the blocks, dot products and QuantRows it uses.
 #pragma once
+#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace shardlm {
 
-constexpr int64_t IGROUP_BLOCKS = 16;              // blocks an interleaved group holds
-constexpr int64_t IGROUP = IGROUP_BLOCKS * QBLOCK;  // its columns: 512
-
-// The position of column c in a row of kp interleaved codes (kp a multiple of QBLOCK): within a whole group, pair i
-// of block l at pair 16 i + l; past the last whole group, c itself.
-inline int64_t interleaved_column(int64_t c, int64_t kp) {
-  if (c >= kp / IGROUP * IGROUP) return c;
-  const int64_t g = c / IGROUP, r = c % IGROUP, l = r / QBLOCK, i = (r % QBLOCK) / 2;
-  return g * IGROUP + i * QBLOCK + l * 2 + r % 2;
+// In each whole group of 256 units (of `unit` values each) among `units`, unit 16 l + i swapped with unit 16 i + l:
+// the interleaving transpose, in place and its own inverse. Codes take units of a pair (interleave_codes), widened
+// prefill panels units of a pair's QPANEL words (qpanel_parts.h's deinterleave_panel).
+template <typename T>
+inline void transpose_groups(T* v, int64_t units, int64_t unit) {
+  constexpr int64_t side = IGROUP_BLOCKS, group = side * side;
+  for (int64_t g = 0; g + group <= units; g += group)
+    for (int64_t l = 0; l < side; ++l)
+      for (int64_t i = l + 1; i < side; ++i)
+        std::swap_ranges(v + (g + side * l + i) * unit, v + (g + side * l + i + 1) * unit,
+                         v + (g + side * i + l) * unit);
 }
 
-// Each row of rows x kp values (codes of one or two bytes) from the natural order to the interleaved one; the
-// transpose is its own inverse, so the same call turns interleaved rows back.
+// Each row of rows x kp codes (one or two bytes each) from the natural order to the interleaved one, or back.
 template <typename C>
 inline void interleave_codes(C* v, int64_t rows, int64_t kp) {
-  std::vector<C> group(IGROUP);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g + IGROUP <= kp; g += IGROUP) {
-      C* at = v + r * kp + g;
-      std::copy(at, at + IGROUP, group.begin());
-      for (int64_t c = 0; c < IGROUP; ++c) at[interleaved_column(c, IGROUP)] = group[c];
-    }
+  for (int64_t r = 0; r < rows; ++r) transpose_groups(v + r * kp, kp / 2, 2);
 }
 
 // x's activation codes interleaved for a weight whose codes are (decode.h's quantize_for).
@@ -186,20 +181,8 @@ __attribute__((always_inline)) inline double exact_pair(const int8_t* w, const Q
   return s;
 }
 #else
-// Without vector units: the blocks' products at their interleaved positions where the codes are interleaved.
 inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j, const int8_t*) {
-  if (!x.interleaved) return dot_q8_scalar(w, x, j);
-  double s = 0.0;
-  const int16_t* xc = x.codes.data() + j * x.kp;
-  for (int64_t blk = 0; blk < x.blocks; ++blk) {
-    int32_t acc = 0;
-    for (int64_t c = blk * QBLOCK; c < (blk + 1) * QBLOCK; ++c) {
-      const int64_t at = interleaved_column(c, x.kp);
-      acc += static_cast<int32_t>(w[at]) * xc[at];
-    }
-    s += static_cast<double>(static_cast<float>(acc) * x.scales[j * x.blocks + blk]);
-  }
-  return s;
+  return dot_q8_scalar(w, x, j);
 }
 #endif
 

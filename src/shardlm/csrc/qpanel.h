@@ -192,7 +192,6 @@ inline void qpanel_gemm(const int8_t* w8, const float* scale, const Int4Tiles* w
     std::vector<int32_t> chunk(count * words);
     std::vector<float> s(count * floats), m(count * floats);
     std::vector<double> md(count * floats);
-    std::vector<int32_t> group;  // deinterleave_panel's scratch
     for (int64_t p0 = lo; p0 < hi; p0 += per_chunk) {
       const int64_t p1 = std::min(hi, p0 + per_chunk);
       for (int64_t p = p0; p < p1; ++p) {
@@ -202,7 +201,7 @@ inline void qpanel_gemm(const int8_t* w8, const float* scale, const Int4Tiles* w
                             md.data() + (p - p0) * floats);
         else
           widen_qpanel(w8, kp, n, p * QPANEL, out);
-        if (!Q4 && interleaved) deinterleave_panel(out, kp, group);
+        if (!Q4 && interleaved) deinterleave_panel(out, kp);
       }
       const auto panel_at = [&](int64_t p) {
         const int64_t i = p - p0;

@@ -95,18 +95,8 @@ inline void widen_qpanel(const int8_t* w, int64_t kp, int64_t n, int64_t r0, int
 }
 
 // A panel widened from interleaved int8 codes (qexact.h) back to the natural order of its pairs: in each whole
-// group, the QPANEL words of pair position 16 i + l are pair 16 l + i's. `group`: scratch of IGROUP / 2 * QPANEL.
-inline void deinterleave_panel(int32_t* out, int64_t kp, std::vector<int32_t>& group) {
-  constexpr int64_t pairs = IGROUP / 2, side = IGROUP_BLOCKS;  // a group's pairs: side x side
-  group.resize(pairs * QPANEL);
-  for (int64_t g = 0; g + IGROUP <= kp; g += IGROUP) {
-    int32_t* base = out + g / 2 * QPANEL;
-    std::copy(base, base + pairs * QPANEL, group.begin());
-    for (int64_t l = 0; l < side; ++l)
-      for (int64_t i = 0; i < side; ++i)
-        std::copy_n(group.begin() + (i * side + l) * QPANEL, QPANEL, base + (l * side + i) * QPANEL);
-  }
-}
+// group, the QPANEL words of pair position 16 i + l are pair 16 l + i's.
+inline void deinterleave_panel(int32_t* out, int64_t kp) { transpose_groups(out, kp / 2, QPANEL); }
 
 // Rows [r0, r0 + QPANEL) of an int4 weight in q4tiles.h's row tiles (tiles past the weight's as zeros): the codes
 // q (0..15) as int16 pairs, out[p * QPANEL + i] as widen_qpanel lays them out, and per group g and row i the scale

@@ -36,6 +36,17 @@ struct QuantRows {
   bool interleaved = false;  // codes in qexact.h's interleaved order (for an exact weight whose codes are)
 };
 
+constexpr int64_t IGROUP_BLOCKS = 16;              // blocks an interleaved group holds (qexact.h)
+constexpr int64_t IGROUP = IGROUP_BLOCKS * QBLOCK;  // its columns: 512
+
+// The position of column c in a row of kp interleaved codes (kp a multiple of QBLOCK): within a whole group, pair i
+// of block l at pair 16 i + l; past the last whole group, c itself.
+inline int64_t interleaved_column(int64_t c, int64_t kp) {
+  if (c >= kp / IGROUP * IGROUP) return c;
+  const int64_t g = c / IGROUP, r = c % IGROUP, l = r / QBLOCK, i = (r % QBLOCK) / 2;
+  return g * IGROUP + i * QBLOCK + l * 2 + r % 2;
+}
+
 // 32767 / amax, the factor that turns a block's values into codes; 0 for a block of zeros, and for one whose max is
 // so small (below about 1e-34) that the factor would overflow to infinity (its codes are then 0, not undefined casts).
 inline float code_factor(float amax) {
@@ -173,13 +184,17 @@ inline std::string int8_units() {
 #endif
 }
 
-// One pair without vector units: the same blocks, the same scaling, scalar.
+// One pair without vector units: the same blocks, the same scaling, scalar (interleaved codes read where each of
+// a block's columns sits).
 inline double dot_q8_scalar(const int8_t* w, const QuantRows& x, int64_t j) {
   double s = 0.0;
+  const int16_t* xc = x.codes.data() + j * x.kp;
   for (int64_t blk = 0; blk < x.blocks; ++blk) {
     int32_t acc = 0;
-    const int16_t* xc = x.codes.data() + j * x.kp + blk * QBLOCK;
-    for (int64_t i = 0; i < QBLOCK; ++i) acc += static_cast<int32_t>(w[blk * QBLOCK + i]) * xc[i];
+    for (int64_t c = blk * QBLOCK; c < (blk + 1) * QBLOCK; ++c) {
+      const int64_t at = x.interleaved ? interleaved_column(c, x.kp) : c;
+      acc += static_cast<int32_t>(w[at]) * xc[at];
+    }
     s += static_cast<double>(static_cast<float>(acc) * x.scales[j * x.blocks + blk]);
   }
   return s;
