@@ -2,7 +2,7 @@
 few rows, over 30 layers of distinct weights (as a decode step reads them: from memory) and over one layer's (from
 the caches), in one process.
 
-    python bench/decode_products.py [--rows 1,8,16] [--rounds 15] [--format bfloat16 | int8 [--sums rank|float|exact]
+    python bench/decode_products.py [--rows 1,8,16] [--rounds 15] [--format bfloat16 | int8 | int4 [--sums rank|float|exact]
                                     [--natural]]
 
 Random float32 weights of the bundled model's shapes (q and o 576 x 576, k and v 192 x 576, gate and up 1536 x 576,
@@ -12,6 +12,7 @@ batch-16 decode step (what a serving step at 16 streams spends most of its time 
 `--format int8` times the same shapes as int8 weights through `gemv_int8` (qrows.h): by default o and down with the
 double-summed block terms a rank gives them (`exact`, so tensor-parallel parts add up) and the rest with float lane
 sums; `--sums float` or `--sums exact` puts every product on one of the two, to see what the exact sums cost.
+`--format int4` times them as int4 weights in groups of 32 through `gemm_int4` (q4tiles.h; the same `--sums`).
 `--format bfloat16` times them as bfloat16 weights (bf16rows.h). With PYTHONPATH at another tree's src, the same
 table for that tree's kernels.
 """
@@ -47,7 +48,7 @@ def best_pass(layers: list[list], xs: dict, rounds: int) -> float:
 def layer_products(ext, g: torch.Generator, fmt: str, sums: str, natural: bool) -> tuple[list, int]:
     """One layer's seven products as (in features, callable on x) and its weight bytes; `natural`: exact int8
     weights keep their codes in natural order (a rank interleaves them, csrc/qexact.h)."""
-    from shardlm.quant import quantize_int8
+    from shardlm.quant import quantize_int4, quantize_int8
 
     products, size = [], 0
     for i, (n, k) in enumerate(SHAPES):
@@ -57,8 +58,14 @@ def layer_products(ext, g: torch.Generator, fmt: str, sums: str, natural: bool) 
             products.append((k, lambda x, w=w: ext.gemv(x, w)))
             size += w.element_size() * n * k
             continue
-        qw = quantize_int8(w)
         exact = sums == "exact" or (sums == "rank" and i in (3, 6))  # o and down: row-parallel under tp
+        if fmt == "int4":
+            q4 = quantize_int4(w)
+            q4.exact = exact
+            products.append((k, lambda x, q=q4: ext.gemm_int4(x, *q.kernel_args(), q.exact)))
+            size += q4.packed.numel() + 2 * q4.scales_zeros.numel()
+            continue
+        qw = quantize_int8(w)
         more = {}
         if exact and not natural:  # as a rank holds them
             qw.exact = True
@@ -74,9 +81,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,8,16")
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--format", choices=("float32", "bfloat16", "int8"), default="float32")
+    ap.add_argument("--format", choices=("float32", "bfloat16", "int8", "int4"), default="float32")
     ap.add_argument("--sums", choices=("rank", "float", "exact"), default="rank",
-                    help="int8: o and down summed as a rank sums them (rank), or every product one way")
+                    help="int8, int4: o and down summed as a rank sums them (rank), or every product one way")
     ap.add_argument("--natural", action="store_true",
                     help="int8: exact weights' codes in natural order (a rank interleaves them; a tree before "
                          "csrc/qexact.h has only this)")
@@ -89,7 +96,7 @@ def main() -> None:
     built = [layer_products(ext, g, args.format, args.sums, args.natural) for _ in range(LAYERS)]
     layers, layer_bytes = [p for p, _ in built], built[0][1]
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers of {layer_bytes / 2**20:.1f} MiB, {args.format}"
-          + (f", {args.sums} sums" + (", natural codes" if args.natural else "") if args.format == "int8" else ""))
+          + (f", {args.sums} sums" + (", natural codes" if args.natural else "") if args.format in ("int8", "int4") else ""))
     print("| rows | weights | ms for 30 layers | GFLOP/s | GB/s read |")
     print("|---|---|---|---|---|")
     for b in (int(r) for r in args.rows.split(",")):

@@ -26,10 +26,10 @@ def test_engine_load_reports_the_steps_it_timed():
 
 
 @pytest.mark.parametrize("extra", [[], ["--format", "bfloat16"], ["--format", "int8"],
-                                   ["--format", "int8", "--sums", "exact"]])
+                                   ["--format", "int8", "--sums", "exact"], ["--format", "int4"]])
 def test_decode_products_prints_one_line_per_row_count_and_place(extra):
-    """`bench/decode_products.py` at 1 and 2 rows, 1 round, float32, bfloat16 and int8: a table row for memory and
-    caches at each."""
+    """`bench/decode_products.py` at 1 and 2 rows, 1 round, float32, bfloat16, int8 and int4: a table row for memory
+    and caches at each."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_products.py"), "--rows", "1,2", "--rounds", "1",
                           *extra], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
@@ -128,10 +128,10 @@ def test_products_vs_commit_loads_a_tree_build_beside_this_one(fmt):
 def test_serve_fuzz_finds_nothing_in_a_short_run():
     """`bench/serve_fuzz.py` with 80 random bodies (bad and valid) against one tp 1 server: every reply a 200 or an
     OpenAI error JSON, the server healthy after, SIGTERM exit 0 (the script exits 1 on any finding). Valid bodies
-    ask for at most 40 tokens (the same bodies, the same statuses as uncapped, in half the time: 60 against 119 s
-    on 2026-11-29; long generations are the soak's)."""
+    ask for at most 16 tokens (the same bodies, the same statuses as uncapped: 48 s where uncapped took 119 and a
+    cap of 40 58, 2026-11-29; long generations are the soak's)."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_fuzz.py"), "--requests", "80", "--seed", "3",
-                          "--max-tokens", "40"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          "--max-tokens", "16"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "80 requests, seed 3: " in out.stdout, out.stdout
     assert "HTTP 200 x" in out.stdout and "HTTP 400 x" in out.stdout, out.stdout

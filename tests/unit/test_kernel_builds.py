@@ -9,6 +9,8 @@ build; interleaved int8 codes' exact sums equal the native build's natural ones 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -20,18 +22,24 @@ TARGETS = {"skylake-avx512": ("avx512bw", {"avx512f", "avx512bw", "avx512vl", "a
            "haswell": ("avx2", {"avx2", "fma", "f16c"}), "x86-64": ("scalar", set())}
 """Older builds: AVX-512 without VNNI or avx512_bf16 (bf16rows.h's 512-bit tiles, which a native build with
 avx512_bf16 no longer runs), AVX2, and no vector extensions past SSE2."""
-_BUILT: dict = {}
+_BUILDS: dict = {}
+"""arch -> a future of its build, every build this CPU can run started at the first test that needs one."""
 
 
 def _older_build(arch: str, tmp_path_factory):
-    """The `arch` build of the kernels, built once for the module (a build takes about a minute); skips where this
-    CPU lacks what the build needs."""
+    """The `arch` build of the kernels, built once for the module; skips where this CPU lacks what the build needs.
+    The first call starts every build this CPU can run side by side (each is one compiler process of about 40 s;
+    three in turn had taken 120 s of the suite, side by side on two cores about 60)."""
     needs = TARGETS[arch][1]
     if not needs <= build.cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
-    if arch not in _BUILT:
-        _BUILT[arch] = build.extension(tmp_path_factory.mktemp(arch), arch=arch)
-    ext = _BUILT[arch]
+    if not _BUILDS:
+        pool = ThreadPoolExecutor(max_workers=len(TARGETS))
+        for name, (_, wants) in TARGETS.items():
+            if wants <= build.cpu_flags():
+                _BUILDS[name] = pool.submit(build.extension, tmp_path_factory.mktemp(name), arch=name)
+        pool.shutdown(wait=False)
+    ext = _BUILDS[arch].result(timeout=600)
     assert ext is not None, f"the {arch} build failed (see the warning logged above)"
     return ext
 
