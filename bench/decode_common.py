@@ -131,15 +131,24 @@ def measure_bandwidth(read_mib: int = 1024, copy_mib: int = 512, reps: int = 10)
     return {"read": read, "copy": copy}
 
 
+def cpu_field(name: str, default: str = "?") -> str:
+    """The first /proc/cpuinfo line named `name`, its value ("?" where there is none)."""
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.split(":", 1)[0].strip() == name), default)
+
+
 def machine_info() -> dict[str, str]:
-    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
-    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    """The machine a run took its numbers on. The CPU's family and model go with its name: this VM has been lent on
+    AMD Zen 4 (family 25, 512-bit vector operations in two halves) and Zen 5 (family 26, full width, with
+    avx512_vp2intersect) hosts under the one name "AMD EPYC", and the integer kernels run at different rates on each."""
+    model, flags = cpu_field("model name"), cpu_field("flags", "").split()
+    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vp2intersect", "amx_bf16") if f in flags)
+    kind = f"family {cpu_field('cpu family')} model {cpu_field('model')}"
     import transformers
 
     return {
         "cores": f"{os.cpu_count()} (nproc {len(os.sched_getaffinity(0))})",
-        "cpu": f"{model} ({isa})",
+        "cpu": f"{model} ({kind}; {isa})",
         "ram": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
         "python": platform.python_version(),
         "torch": torch.__version__,

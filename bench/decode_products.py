@@ -2,7 +2,8 @@
 few rows, over 30 layers of distinct weights (as a decode step reads them: from memory) and over one layer's (from
 the caches), in one process.
 
-    python bench/decode_products.py [--rows 1,8,16] [--rounds 15] [--format bfloat16 | int8 | int4 [--sums rank|float|exact]
+    python bench/decode_products.py [--rows 1,8,16] [--rounds 15]
+                                    [--format bfloat16 | int8 | int4 [--sums rank|float|exact]
                                     [--natural]]
 
 Random float32 weights of the bundled model's shapes (q and o 576 x 576, k and v 192 x 576, gate and up 1536 x 576,
@@ -95,8 +96,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     built = [layer_products(ext, g, args.format, args.sums, args.natural) for _ in range(LAYERS)]
     layers, layer_bytes = [p for p, _ in built], built[0][1]
+    sums = f", {args.sums} sums" + (", natural codes" if args.natural else "")
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers of {layer_bytes / 2**20:.1f} MiB, {args.format}"
-          + (f", {args.sums} sums" + (", natural codes" if args.natural else "") if args.format in ("int8", "int4") else ""))
+          + (sums if args.format in ("int8", "int4") else ""))
     print("| rows | weights | ms for 30 layers | GFLOP/s | GB/s read |")
     print("|---|---|---|---|---|")
     for b in (int(r) for r in args.rows.split(",")):

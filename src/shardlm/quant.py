@@ -194,15 +194,32 @@ INTERLEAVE_BLOCKS = 16
 """Blocks of 32 columns in one interleaved group (csrc/qexact.h's IGROUP_BLOCKS)."""
 
 
+def interleave_groups(blocks: int) -> list[tuple[int, int]]:
+    """(first block, m) of each group of a row of `blocks` blocks in csrc/qexact.h's interleaved order: whole groups
+    of 16 from block 0, then the tail's blocks in groups of 8, 4 and 2 where its count has that bit, then a last odd
+    block alone (m = 1, nothing moves)."""
+    whole = blocks // INTERLEAVE_BLOCKS * INTERLEAVE_BLOCKS
+    groups = [(g, INTERLEAVE_BLOCKS) for g in range(0, whole, INTERLEAVE_BLOCKS)]
+    first, m = whole, INTERLEAVE_BLOCKS // 2
+    while m >= 1:
+        if blocks - first >= m:
+            groups.append((first, m))
+            first += m
+        m //= 2
+    return groups
+
+
 def interleave_columns(q: torch.Tensor) -> torch.Tensor:
-    """int8 codes (out, kp), kp a multiple of 32, in csrc/qexact.h's interleaved order: within each whole group of
-    512 columns, the two codes of pair i of block l move to pair position 16 i + l (a 16 x 16 transpose of pairs);
-    the columns past the last whole group stay. The transpose is its own inverse, so this also turns them back."""
-    out, kp = q.shape
-    whole = kp // (32 * INTERLEAVE_BLOCKS) * (32 * INTERLEAVE_BLOCKS)
-    groups = q[:, :whole].reshape(out, -1, INTERLEAVE_BLOCKS, 16, 2)  # (out, group, block l, pair i, 2)
-    moved = groups.transpose(2, 3).reshape(out, whole)  # (out, group, pair i, block l, 2) -> (out, whole)
-    return torch.cat([moved, q[:, whole:]], dim=1).contiguous()  # (out, kp)
+    """int8 codes (out, kp), kp a multiple of 32, in csrc/qexact.h's interleaved order: in each group of m blocks
+    (interleave_groups), chunk t of block l (16 / m column pairs) moves to chunk position t m + l, an m x m transpose
+    of chunks (with m = 16, pair i of block l at pair position 16 i + l). The transpose is its own inverse, so this
+    also turns them back."""
+    out = q.shape[0]
+    parts = []
+    for first, m in interleave_groups(q.shape[1] // 32):
+        group = q[:, 32 * first:32 * (first + m)].reshape(out, m, m, 32 // m)  # (out, block l, chunk t, 2 * 16 / m)
+        parts.append(group.transpose(1, 2).reshape(out, 32 * m))  # (out, chunk t, block l, ...) -> (out, 32 m)
+    return torch.cat(parts, dim=1).contiguous() if parts else q.clone()  # (out, kp)
 
 
 def int8_codes(w: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Interleaved int8 codes (csrc/qexact.h): the o and down projections' codes a CPU rank holds transposed in groups of
-sixteen blocks, so that their exact sums need no horizontal reduction. The numbers must be the natural layout's bit
-for bit (decode and prefill, split and whole, every batch size), the layout must reach exactly the weights that are
-summed exact and held in memory, and every path that reads codes some other way must read them in natural order."""
+sixteen blocks (a row's tail in groups of 8, 4 and 2), so that their exact sums need no horizontal reduction a block.
+The numbers must be the natural layout's bit for bit (decode and prefill, split and whole, every batch size), the
+layout must reach exactly the weights that are summed exact and held in memory, and every path that reads codes some
+other way must read them in natural order."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import pytest
 import torch
 
 from refs import int8_exact_reference
-from shardlm.quant import Int8Weight, interleave_columns, pack_int8, quantize_int8
+from shardlm.quant import Int8Weight, interleave_columns, interleave_groups, pack_int8, quantize_int8
 
-SHAPES = [(7, 576), (33, 1536), (5, 512), (9, 1120), (16, 32), (3, 2048), (4, 200)]
-"""(rows, columns): one whole group and a tail, three groups, one group exactly, two and a partial, one block, four
-groups, and less than a group (nothing moves)."""
+SHAPES = [(7, 576), (33, 1536), (5, 512), (9, 1120), (16, 32), (3, 2048), (4, 200), (6, 992), (5, 256), (2, 64)]
+"""(rows, columns): one whole group and a tail of 2 blocks, three groups, one group exactly, two and a tail of 2 + 1,
+one block, four groups, a tail alone (4 + 2 + 1), a group and a tail of every size (8 + 4 + 2 + 1), and tails alone
+of 8 and of 2."""
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +28,25 @@ def _weight(n: int, k: int, seed: int) -> Int8Weight:
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_the_order_is_a_transpose_of_pairs_in_whole_groups_and_its_own_inverse(n, k, ext):
+def test_the_order_transposes_chunks_in_each_group_and_is_its_own_inverse(n, k, ext):
+    """Whole groups of 16 blocks, then the tail in groups of 8, 4 and 2 (a last odd block stays): in a group of m
+    blocks, chunk t of block l (16 / m column pairs) at chunk position t m + l."""
     q = _weight(n, k, 1).q
     moved = interleave_columns(q)
     assert torch.equal(moved, ext.interleave_int8(q)), "the Python and C++ orders differ"
     assert torch.equal(interleave_columns(moved), q)
-    whole = q.shape[1] // 512 * 512
-    assert torch.equal(moved[:, whole:], q[:, whole:]), "columns past the last whole group keep their place"
-    if whole:  # pair i of block l at pair position 16 i + l
-        for l, i in ((0, 0), (1, 0), (0, 1), (3, 7), (15, 15)):
-            assert torch.equal(moved[:, 2 * (16 * i + l):2 * (16 * i + l) + 2], q[:, 32 * l + 2 * i:32 * l + 2 * i + 2])
-        assert not torch.equal(moved[:, :whole], q[:, :whole])
+    blocks = q.shape[1] // 32
+    groups = interleave_groups(blocks)
+    assert [m for _, m in groups] == [16] * (blocks // 16) + [b for b in (8, 4, 2, 1) if blocks % 16 & b], groups
+    assert [first for first, _ in groups] == [sum(m for _, m in groups[:i]) for i in range(len(groups))], groups
+    for first, m in groups:
+        cols = 32 // m  # a chunk's columns
+        for l in range(m):
+            for t in (0, m - 1, m // 2):
+                at, was = 32 * first + cols * (t * m + l), 32 * (first + l) + cols * t
+                assert torch.equal(moved[:, at:at + cols], q[:, was:was + cols]), (first, m, l, t)
+    if any(m > 1 for _, m in groups):
+        assert not torch.equal(moved, q)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)

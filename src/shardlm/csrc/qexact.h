@@ -8,27 +8,36 @@
 // 16 i + l (a 16 x 16 transpose of two-byte pairs), and the activation codes are interleaved alike after they are
 // quantized (`interleave_rows`). Then the 32 codes at bytes [32 i, 32 i + 32) of a group hold pair i of all sixteen
 // blocks, so the integer multiply-adds of the group's sixteen loads add up, lane l, to block l's sum: no reduction
-// left, the same integers, and the same terms added in the same order as the natural layout's, bit for bit. Columns
-// past the last whole group keep their natural order. Scratch C++ benchmark of 2 threads over a 2.4 MB weight from
+// left, the same integers, and the same terms added in the same order as the natural layout's, bit for bit. A row's
+// tail (the blocks past its last whole group) is interleaved alike in groups of 8, 4 and 2 blocks (chunks of 2, 4
+// and 8 pairs, transpose_groups), so its block sums too take a few shuffles where one horizontal sum a block took
+// more (a last odd block stays). Scratch C++ benchmark of 2 threads over a 2.4 MB weight from
 // the caches (2026-11-29): interleaved 102 GB/s, natural 62 GB/s, the float-summed rows 75 GB/s.
 // Included by qrows.h after the blocks, dot products and QuantRows it uses.
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace shardlm {
 
-// In each whole group of 256 units (of `unit` values each) among `units`, unit 16 l + i swapped with unit 16 i + l:
-// the interleaving transpose, in place and its own inverse. Codes take units of a pair (interleave_codes), widened
-// prefill panels units of a pair's QPANEL words (qpanel_parts.h's deinterleave_panel).
+// In a row of `units` units (of `unit` values each; a pair of columns a unit, units a multiple of 16), each group of
+// m blocks (igroup_of: whole groups of 16, then 8, 4 and 2 in the tail) turned into the interleaved order: its
+// m x m chunks of 16 / m units transposed, in place and its own inverse. Codes take units of a pair
+// (interleave_codes), widened prefill panels units of a pair's QPANEL words (qpanel_parts.h's deinterleave_panel).
 template <typename T>
 inline void transpose_groups(T* v, int64_t units, int64_t unit) {
-  constexpr int64_t side = IGROUP_BLOCKS, group = side * side;
-  for (int64_t g = 0; g + group <= units; g += group)
-    for (int64_t l = 0; l < side; ++l)
-      for (int64_t i = l + 1; i < side; ++i)
-        std::swap_ranges(v + (g + side * l + i) * unit, v + (g + side * l + i + 1) * unit,
-                         v + (g + side * i + l) * unit);
+  constexpr int64_t side = IGROUP_BLOCKS;  // units a block holds (its 16 pairs)
+  const int64_t blocks = units / side;
+  int64_t first, m;
+  for (int64_t blk = 0; blk < blocks; blk = first + m) {
+    igroup_of(blk, blocks, first, m);
+    const int64_t chunk = side / m, at = first * side;  // units a chunk holds; the group's first unit
+    for (int64_t l = 0; l < m; ++l)
+      for (int64_t t = l + 1; t < m; ++t)  // chunk t of block l <-> chunk l of block t
+        std::swap_ranges(v + (at + (l * m + t) * chunk) * unit, v + (at + (l * m + t + 1) * chunk) * unit,
+                         v + (at + (t * m + l) * chunk) * unit);
+  }
 }
 
 // Each row of rows x kp codes (one or two bytes each) from the natural order to the interleaved one, or back.
@@ -105,9 +114,11 @@ using BlockSums = __m256i;
 #endif
 
 #if defined(SHARDLM_Q8_WIDE)
-// An interleaved group's sixteen block sums, lane l = block l: the group's sixteen 32-code loads multiply-added with
-// the activation codes in two chains (integer adds: exact in any order). `ahead` (or null): asked for a line a step.
-__attribute__((always_inline)) inline __m512i interleaved_sums(const int8_t* w, const int16_t* x, const int8_t* ahead) {
+// An interleaved group's sixteen block sums, lane l = block l: the group's sixteen 32-code loads (or a tail group's
+// `loads`) multiply-added with the activation codes in two chains (integer adds: exact in any order). `ahead` (or
+// null): asked for a line a step.
+__attribute__((always_inline)) inline __m512i interleaved_sums(const int8_t* w, const int16_t* x, const int8_t* ahead,
+                                                               int64_t loads = IGROUP_BLOCKS) {
   __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
   auto add_pair = [&](__m512i& acc, int64_t i) {
     const __m512i wv = widen_int8_32(w + i * QBLOCK).v, xv = _mm512_loadu_si512(x + i * QBLOCK);
@@ -117,12 +128,26 @@ __attribute__((always_inline)) inline __m512i interleaved_sums(const int8_t* w, 
     acc = _mm512_add_epi32(acc, _mm512_madd_epi16(wv, xv));
 #endif
   };
-  for (int64_t i = 0; i < IGROUP_BLOCKS; i += 2) {
+  for (int64_t i = 0; i < loads; i += 2) {  // loads: 16, or a tail group's 8, 4 or 2
     if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * QBLOCK), _MM_HINT_T0);
     add_pair(even, i);
     add_pair(odd, i + 1);
   }
   return _mm512_add_epi32(even, odd);
+}
+// The block sums of an interleaved tail group of m blocks (8, 4 or 2) into sums[0 .. m): its m loads multiply-added
+// lane by lane (lane k then holds pairs of block k / c, c = 16 / m), then each run of c lanes added across.
+template <int M>
+__attribute__((always_inline)) inline void tail_sums(const int8_t* w, const int16_t* x, const int8_t* ahead,
+                                                     int32_t* sums) {
+  __m512i v = interleaved_sums(w, x, ahead, M);
+  constexpr int64_t chunk = IGROUP_BLOCKS / M;
+  v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));  // runs of 2
+  if constexpr (chunk >= 4) v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));  // of 4
+  if constexpr (chunk >= 8) v = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));  // of 8
+  alignas(64) int32_t lanes[16];
+  _mm512_store_si512(lanes, v);
+  for (int64_t l = 0; l < M; ++l) sums[l] = lanes[l * chunk];
 }
 // The group's terms into acc: one add_terms of the sixteen sums, as the natural layout's lane_sums gives them.
 __attribute__((always_inline)) inline void add_interleaved(ExactLanes* acc, const int8_t* w, const int16_t* x,
@@ -132,22 +157,63 @@ __attribute__((always_inline)) inline void add_interleaved(ExactLanes* acc, cons
 #elif defined(__AVX2__)
 // With AVX2 the same group in two halves: a load's first sixteen codes are pair i of blocks 0-7, the rest of blocks
 // 8-15; their terms go in as two groups of EXACT_GROUP (8), as the natural layout's do.
-__attribute__((always_inline)) inline void add_interleaved(ExactLanes* acc, const int8_t* w, const int16_t* x,
-                                                           const float* ds, const int8_t* ahead) {
-  __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
-  for (int64_t i = 0; i < IGROUP_BLOCKS; ++i) {
+// The first `loads` 32-code loads of an interleaved group multiply-added lane by lane: their first sixteen codes'
+// pair sums into low, the rest into high.
+__attribute__((always_inline)) inline void half_sums(const int8_t* w, const int16_t* x, int64_t loads,
+                                                     const int8_t* ahead, __m256i& low, __m256i& high) {
+  low = high = _mm256_setzero_si256();
+  for (int64_t i = 0; i < loads; ++i) {
     if (ahead != nullptr && i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * QBLOCK), _MM_HINT_T0);
     const Codes16 wv = widen_int8(w + i * QBLOCK);
     const __m256i* xv = reinterpret_cast<const __m256i*>(x + i * QBLOCK);
     low = _mm256_add_epi32(low, _mm256_madd_epi16(wv.lo, _mm256_loadu_si256(xv)));
     high = _mm256_add_epi32(high, _mm256_madd_epi16(wv.hi, _mm256_loadu_si256(xv + 1)));
   }
+}
+__attribute__((always_inline)) inline void add_interleaved(ExactLanes* acc, const int8_t* w, const int16_t* x,
+                                                           const float* ds, const int8_t* ahead) {
+  __m256i low, high;
+  half_sums(w, x, IGROUP_BLOCKS, ahead, low, high);
   add_terms(acc, low, ds);
   add_terms(acc, high, ds + EXACT_GROUP);
+}
+// The block sums of an interleaved tail group of m blocks (8, 4 or 2) into sums[0 .. m), as the AVX-512 form: lane k
+// of a load's sixteen pair sums (low half, then high) holds pairs of block k / c, c = 16 / m.
+template <int M>
+__attribute__((always_inline)) inline void tail_sums(const int8_t* w, const int16_t* x, const int8_t* ahead,
+                                                     int32_t* sums) {
+  __m256i low, high;
+  half_sums(w, x, M, ahead, low, high);
+  // pair sums of lanes (2i, 2i + 1): [low 0-1, 2-3, high 0-1, 2-3 | low 4-5, 6-7, high 4-5, 6-7]
+  const __m256i two = _mm256_hadd_epi32(low, high);
+  if constexpr (M == 8) {  // lane k's block is k / 2: blocks 0, 1, 4, 5 | 2, 3, 6, 7, put in order
+    const __m256i order = _mm256_permutevar8x32_epi32(two, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), order);
+    return;
+  }
+  alignas(32) int32_t four[8];  // sums of lanes 4i .. 4i + 3: [low 0-3, high 0-3, ., . | low 4-7, high 4-7, ., .]
+  _mm256_store_si256(reinterpret_cast<__m256i*>(four), _mm256_hadd_epi32(two, two));
+  if constexpr (M == 4) {  // block k / 4
+    sums[0] = four[0], sums[1] = four[4], sums[2] = four[1], sums[3] = four[5];
+  } else {  // M == 2: block k / 8, low then high
+    sums[0] = four[0] + four[4], sums[1] = four[1] + four[5];
+  }
 }
 #endif
 
 #if defined(SHARDLM_Q8_WIDE) || defined(__AVX2__)
+// An interleaved tail group of M blocks from block blk, where that many are left: its terms added to s one at a time
+// in block order, blk moved past it.
+template <int M>
+__attribute__((always_inline)) inline void add_tail(const int8_t* w, const int16_t* xc, const float* ds, int64_t blocks,
+                                                    const int8_t* ahead, int64_t& blk, double& s) {
+  if (blocks - blk < M) return;
+  int32_t sums[M];
+  tail_sums<M>(w + blk * QBLOCK, xc + blk * QBLOCK, ahead != nullptr ? ahead + blk * QBLOCK : nullptr, sums);
+  for (int l = 0; l < M; ++l) s += static_cast<double>(static_cast<float>(sums[l]) * ds[blk + l]);
+  blk += M;
+}
+
 // One (weight row, activation row) pair of an `exact` weight: dot_q8_scalar's block terms, float(the block's int32
 // sum) * its scale, added in double; EXACT_GROUP blocks' integer sums finished together, or with interleaved codes
 // (x.interleaved) a whole group's at once. `ahead` (or null): w's bytes STREAM_AHEAD on (the weight's rows lie one
@@ -162,7 +228,7 @@ __attribute__((always_inline)) inline double exact_pair(const int8_t* w, const Q
     for (; blk + IGROUP_BLOCKS <= x.blocks; blk += IGROUP_BLOCKS)
       add_interleaved(acc, w + blk * QBLOCK, xc + blk * QBLOCK, ds + blk,
                       ahead != nullptr ? ahead + blk * QBLOCK : nullptr);
-  for (; blk + EXACT_GROUP <= x.blocks; blk += EXACT_GROUP) {
+  for (; !x.interleaved && blk + EXACT_GROUP <= x.blocks; blk += EXACT_GROUP) {
     BlockSums v[EXACT_GROUP];
     for (int i = 0; i < EXACT_GROUP; ++i) {
       if (ahead != nullptr && i % 2 == 0)
@@ -171,7 +237,26 @@ __attribute__((always_inline)) inline double exact_pair(const int8_t* w, const Q
     }
     add_terms(acc, lane_sums(v), ds + blk);
   }
+  // With AVX2 (EXACT_GROUP 8) a tail of 8 or more natural blocks went through the loop above, its terms into acc;
+  // an interleaved tail group of 8 gives the same sums into the same lanes.
+  if constexpr (EXACT_GROUP == 8) {
+    if (x.interleaved && x.blocks - blk >= 8) {
+      int32_t sums[8];
+      tail_sums<8>(w + blk * QBLOCK, xc + blk * QBLOCK, ahead != nullptr ? ahead + blk * QBLOCK : nullptr, sums);
+      BlockSums v;
+      std::memcpy(&v, sums, sizeof(v));
+      add_terms(acc, v, ds + blk);
+      blk += 8;
+    }
+  }
   double s = lanes_total(acc);
+  // The rest one term a block, in order: an interleaved tail's groups of 8, 4 and 2 get their blocks' sums together
+  // (tail_sums), where the natural codes take a horizontal sum a block.
+  if (x.interleaved) {
+    add_tail<8>(w, xc, ds, x.blocks, ahead, blk, s);
+    add_tail<4>(w, xc, ds, x.blocks, ahead, blk, s);
+    add_tail<2>(w, xc, ds, x.blocks, ahead, blk, s);
+  }
   for (; blk < x.blocks; ++blk) {
     if (ahead != nullptr && blk % 2 == 0)
       _mm_prefetch(reinterpret_cast<const char*>(ahead + blk * QBLOCK), _MM_HINT_T0);

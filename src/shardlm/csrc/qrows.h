@@ -39,12 +39,29 @@ struct QuantRows {
 constexpr int64_t IGROUP_BLOCKS = 16;              // blocks an interleaved group holds (qexact.h)
 constexpr int64_t IGROUP = IGROUP_BLOCKS * QBLOCK;  // its columns: 512
 
-// The position of column c in a row of kp interleaved codes (kp a multiple of QBLOCK): within a whole group, pair i
-// of block l at pair 16 i + l; past the last whole group, c itself.
+// The interleaved group of m blocks (16, or 8, 4 or 2 in a row's tail) that block blk of a row of `blocks` starts at:
+// whole groups of 16 from block 0, then the tail's blocks (blocks % 16) in groups of 8, 4 and 2 where its count has
+// that bit, a last odd block alone (m = 1). Sets first and m.
+inline void igroup_of(int64_t blk, int64_t blocks, int64_t& first, int64_t& m) {
+  first = blk / IGROUP_BLOCKS * IGROUP_BLOCKS;
+  m = IGROUP_BLOCKS;
+  if (first + IGROUP_BLOCKS <= blocks) return;
+  for (m = IGROUP_BLOCKS / 2; m >= 1; m /= 2) {
+    if ((blocks - first) < m) continue;
+    if (blk < first + m) return;
+    first += m;
+  }
+}
+
+// The position of column c in a row of kp interleaved codes (kp a multiple of QBLOCK; qexact.h): in a group of m
+// blocks, chunk t (pairs t c .. t c + c - 1, c = 16 / m) of block l sits at chunk t m + l (an m x m transpose of
+// chunks; with m = 16, pair i of block l at pair 16 i + l). The map is its own inverse.
 inline int64_t interleaved_column(int64_t c, int64_t kp) {
-  if (c >= kp / IGROUP * IGROUP) return c;
-  const int64_t g = c / IGROUP, r = c % IGROUP, l = r / QBLOCK, i = (r % QBLOCK) / 2;
-  return g * IGROUP + i * QBLOCK + l * 2 + r % 2;
+  int64_t first, m;
+  igroup_of(c / QBLOCK, kp / QBLOCK, first, m);
+  const int64_t chunk = IGROUP_BLOCKS / m, l = c / QBLOCK - first, pair = (c % QBLOCK) / 2;
+  const int64_t t = pair / chunk, j = pair % chunk;
+  return first * QBLOCK + 2 * (IGROUP_BLOCKS * t + chunk * l + j) + c % 2;
 }
 
 // 32767 / amax, the factor that turns a block's values into codes; 0 for a block of zeros, and for one whose max is
