@@ -81,7 +81,7 @@ inline void tile_dot(const uint16_t* w, int64_t ldw, const uint16_t* xw, int64_t
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < kk; i += BF16_STEP) {
-    if (j0 == 0) prefetch_next_tile<uint16_t, R>(w, ldw, r0, i);
+    if (J > 1 && j0 == 0) prefetch_next_tile<uint16_t, R>(w, ldw, r0, i);
     __m256bh xv[J];
     for (int j = 0; j < J; ++j) xv[j] = words256(xw + j * ldx + i);
     for (int r = 0; r < R; ++r) {
@@ -100,29 +100,6 @@ inline void tile_dot(const uint16_t* w, int64_t ldw, const uint16_t* xw, int64_t
       for (int64_t t = kk; t < k; ++t) s += load<uint16_t>(w, (r0 + r) * ldw + t) * xf[(j0 + j) * k + t];
       y[(j0 + j) * n + r0 + r] = s;
     }
-}
-
-// Batch 1: weight rows r0 + 2p and r0 + 2p + 1 in the two halves of register p (as tile_bf16_rowpairs), x's 16 words
-// a step broadcast to both halves; the next tile asked for in address order (NextTileInOrder).
-template <int R>
-inline void tile_dot_rowpairs(const uint16_t* w, int64_t ldw, const uint16_t* xw, const float* xf, float* y,
-                              int64_t k, int64_t r0) {
-  const int64_t kk = k - k % BF16_STEP;
-  __m512 acc[R / 2];
-  for (int p = 0; p < R / 2; ++p) acc[p] = _mm512_setzero_ps();
-  NextTileInOrder<R> ahead(w, ldw, k, r0, kk / BF16_STEP);
-  for (int64_t i = 0; i < kk; i += BF16_STEP) {
-    ahead.step(i);
-    const __m512bh xv = words512(_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + i))));
-    for (int p = 0; p < R / 2; ++p) {
-      const uint16_t* row = w + (r0 + 2 * p) * ldw + i;
-      const __m512i words = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + ldw)), 1);
-      acc[p] = _mm512_dpbf16_ps(acc[p], words512(words), xv);
-    }
-  }
-  finish_rowpairs<R>(acc, w, ldw, xf, y, k, r0);
 }
 
 // R weight rows from r0 against 2P rows of x from j0 (even), two rows of x a register (their word pairs at xp), each
@@ -157,9 +134,8 @@ inline void rows_bf16_dot(const uint16_t* w, const float* x, float* y, int64_t n
   const int64_t kk = k - k % BF16_STEP;
   const RoundedRows xr = rounded_rows(x, b, k);
   int64_t r = lo;
-  if (b == 1) {
-    for (; r + 8 <= hi; r += 8) tile_dot_rowpairs<8>(w, ldw, xr.words, xr.floats, y, k, r);
-    if (r + 4 <= hi) tile_dot_rowpairs<4>(w, ldw, xr.words, xr.floats, y, k, r), r += 4;
+  if (b == 1) {  // the rows one after another, as rows.h's float32 rows at batch 1 (a batch-1 bfloat16 step took
+                 // 0.725x the time of row pairs of eight side by side on a Zen 4 host; RESULTS.md stop 54)
     for (; r < hi; ++r) tile_dot<1, 1>(w, ldw, xr.words, k, xr.floats, y, n, k, r, 0);
     return;
   }
