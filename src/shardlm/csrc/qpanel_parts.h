@@ -94,8 +94,8 @@ inline void widen_qpanel(const int8_t* w, int64_t kp, int64_t n, int64_t r0, int
 #endif
 }
 
-// A panel widened from interleaved int8 codes (qexact.h) back to the natural order of its pairs: in each whole
-// group, the QPANEL words of pair position 16 i + l are pair 16 l + i's.
+// A panel widened from interleaved int8 codes (qexact.h) back to the natural order of its pairs: the codes' own
+// transpose (every group of m blocks, tails included) in units of a pair's QPANEL words.
 inline void deinterleave_panel(int32_t* out, int64_t kp) { transpose_groups(out, kp / 2, QPANEL); }
 
 // Rows [r0, r0 + QPANEL) of an int4 weight in q4tiles.h's row tiles (tiles past the weight's as zeros): the codes
