@@ -129,7 +129,7 @@ __attribute__((always_inline)) inline __m512i interleaved_sums(const int8_t* w, 
 #endif
   };
   for (int64_t i = 0; i < loads; i += 2) {  // loads: 16, or a tail group's 8, 4 or 2
-    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * QBLOCK), _MM_HINT_T0);
+    if (ahead != nullptr) stream_prefetch(ahead + i * QBLOCK);
     add_pair(even, i);
     add_pair(odd, i + 1);
   }
@@ -163,7 +163,7 @@ __attribute__((always_inline)) inline void half_sums(const int8_t* w, const int1
                                                      const int8_t* ahead, __m256i& low, __m256i& high) {
   low = high = _mm256_setzero_si256();
   for (int64_t i = 0; i < loads; ++i) {
-    if (ahead != nullptr && i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * QBLOCK), _MM_HINT_T0);
+    if (ahead != nullptr && i % 2 == 0) stream_prefetch(ahead + i * QBLOCK);
     const Codes16 wv = widen_int8(w + i * QBLOCK);
     const __m256i* xv = reinterpret_cast<const __m256i*>(x + i * QBLOCK);
     low = _mm256_add_epi32(low, _mm256_madd_epi16(wv.lo, _mm256_loadu_si256(xv)));
@@ -232,7 +232,7 @@ __attribute__((always_inline)) inline double exact_pair(const int8_t* w, const Q
     BlockSums v[EXACT_GROUP];
     for (int i = 0; i < EXACT_GROUP; ++i) {
       if (ahead != nullptr && i % 2 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + (blk + i) * QBLOCK), _MM_HINT_T0);
+        stream_prefetch(ahead + (blk + i) * QBLOCK);
       v[i] = dot_block(widen_block(w + (blk + i) * QBLOCK), xc + (blk + i) * QBLOCK);
     }
     add_terms(acc, lane_sums(v), ds + blk);
@@ -259,7 +259,7 @@ __attribute__((always_inline)) inline double exact_pair(const int8_t* w, const Q
   }
   for (; blk < x.blocks; ++blk) {
     if (ahead != nullptr && blk % 2 == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + blk * QBLOCK), _MM_HINT_T0);
+      stream_prefetch(ahead + blk * QBLOCK);
     const int32_t isum = lane_sum(dot_block(widen_block(w + blk * QBLOCK), xc + blk * QBLOCK));
     s += static_cast<double>(static_cast<float>(isum) * ds[blk]);
   }

@@ -157,8 +157,15 @@ inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, Quan
 // waiting on memory (int8 1536 x 576 from DRAM: 82 us without, 45 us with 16 rows ahead; 8, 32 and 64 were no better).
 constexpr int64_t PREFETCH_ROWS = 16;
 // An int8 tile of one activation row on a 512-bit build walks its weight rows one after another (row_sums) and asks
-// for the line this many bytes past the one it reads; so do the exact rows (qexact.h) on every vector build.
+// for the line STREAM_AHEAD bytes past the one it reads (stream_prefetch); so do the exact rows (qexact.h) on every
+// vector build. Into L2 (prefetcht1), not L1: on a Zen 4 host the L1 hint (prefetcht0) 4 KB ahead had held such a
+// stream near 30 GB/s on two threads, no faster than no hint, where the L2 hint ran 1.15-1.45x faster over 138-276 MB
+// of int8 rows from memory (scratch C++, 2026-11-29), and a batch-1 int8 decode step took 0.81-0.91x the time
+// in-process (four A/B runs, RESULTS.md stop 55). The int4 tiles (q4tiles.h) keep their L1 hint: with the L2 one a
+// batch-1 step took 0.89-1.04x the time, no clear change. A hint never faults, so it may pass the weight's end.
 constexpr int64_t STREAM_AHEAD = 4096;
+__attribute__((always_inline)) inline void stream_prefetch(const void* at) { __builtin_prefetch(at, 0, 2); }
+
 // A block of 32 weight codes as two vectors of 16 int16 (columns 0-15 and 16-31).
 struct Codes16 {
   __m256i lo, hi;
@@ -323,7 +330,7 @@ __attribute__((always_inline)) inline void row_sums(const int8_t* w, int64_t ldw
       PairSums::add(chain, dot_block(widen_block(row + blk * QBLOCK), xc + blk * QBLOCK), broadcast_scale(ds[blk]));
     };
     for (int64_t blk = 0; blk < nb; blk += 2) {  // a pair of blocks (a cache line) a step; an odd count ends on one
-      _mm_prefetch(reinterpret_cast<const char*>(row + blk * QBLOCK + STREAM_AHEAD), _MM_HINT_T0);
+      stream_prefetch(row + blk * QBLOCK + STREAM_AHEAD);
       add_block(even, blk);
       if (blk + 1 < nb) add_block(odd, blk + 1);
     }
