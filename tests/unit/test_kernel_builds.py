@@ -38,8 +38,8 @@ def _wanted(arch: str) -> bool:
 
 def _older_build(arch: str, tmp_path_factory):
     """The `arch` build of the kernels, built once for the module; skips where this CPU lacks what the build needs.
-    The first call starts every build this CPU can run side by side (each is one compiler process of about 40 s;
-    three in turn had taken 120 s of the suite, side by side on two cores about 60)."""
+    The first call starts every build this CPU can run and this run wants (_wanted) side by side (each is one
+    compiler process of about 40 s; three in turn had taken 120 s of the suite, side by side on two cores about 60)."""
     needs = TARGETS[arch][1]
     if not needs <= build.cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
