@@ -85,6 +85,21 @@ def test_floor_share_reports_a_share_per_round():
     assert float(cells[1]) > 50 and float(cells[2]) > 0 and cells[5].endswith("%"), out.stdout
 
 
+def test_stream_ceiling_reports_every_loop_beside_the_read_rate(tmp_path):
+    """`bench/stream_ceiling.py`, 1 round over 16 MB: the `sum()` figures and a rate and share for each of the four
+    loops (compiled into the home given, so a run leaves nothing elsewhere)."""
+    if subprocess.run(["g++", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("g++ is not installed: the script compiles its loops")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "stream_ceiling.py"), "--rounds", "1", "--mb", "16",
+                          "--repeats", "1", "--no-write"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "SHARDLM_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 6 and all(c.endswith("%)") and float(c.split()[0]) > 0 for c in cells[2:]), row
+    assert list((tmp_path / "tools" / "stream_ceiling").iterdir()), "the loops' binary should sit under the home"
+
+
 def test_greedy_runs_compares_compiled_and_python_runs():
     """`bench/greedy_runs.py` for int4 at 1 row, 1 round: a table row with both timings and their ratio (the script
     itself exits non-zero when the two give other tokens)."""
