@@ -17,8 +17,14 @@ def _generate(*flags: str) -> dict:
     return json.loads(res.stdout)
 
 
+@pytest.fixture(scope="module")
+def plain():
+    """The float32 run the quantized ones are compared with (one for the module, where each case had run its own)."""
+    return _generate()
+
+
 @pytest.mark.parametrize("kind,layouts", [("int8", [("--tp", "2")]), ("int4", [("--tp", "3"), ("--pp", "2")])])
-def test_quantized_tokens_do_not_depend_on_the_layout(kind, layouts):
+def test_quantized_tokens_do_not_depend_on_the_layout(kind, layouts, plain):
     one = _generate("--quantization", kind)
     assert one["quantization"] == kind
     for flags in layouts:
@@ -27,7 +33,6 @@ def test_quantized_tokens_do_not_depend_on_the_layout(kind, layouts):
         if flags[0] == "--tp":  # a request's traffic only: 2 all-reduces per layer + 1 per forward, none
             calls = other["ranks"][0]["comms"]["all_reduce"]["calls"]  # from quantizing at load
             assert calls % (2 * 30 + 1) == 0, calls
-    plain = _generate()
     ratio = one["ranks"][0]["weight_bytes"] / plain["ranks"][0]["weight_bytes"]
     # the tied 113 MB embedding/head stays float32; the linear layers shrink 4x (int8) or ~7x (int4)
     assert ratio < (0.45 if kind == "int8" else 0.38), ratio
