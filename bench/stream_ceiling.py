@@ -31,7 +31,6 @@ HEADING = "## How fast the cores stream weights with the kernels' work on them (
 
 def compiled() -> Path:
     """The loops' binary, built once per source text under the kernel cache's tools folder."""
-    sys.path.insert(0, str(BENCH.parent / "src"))
     from shardlm.settings import Settings
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
@@ -80,10 +79,8 @@ def main() -> None:
     if min(args.rounds, args.mb, args.repeats) < 1:
         raise SystemExit("--rounds, --mb and --repeats must be 1 or more")
     sys.path.insert(0, str(BENCH))
-    import torch
     from decode_common import machine_info, write_section
 
-    torch.set_num_threads(torch.get_num_threads())
     binary = compiled()
     started = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     rows = ["| round | `sum()` GB/s before-after | " + " | ".join(f"{v} GB/s (share)" for v in VARIANTS) + " |",
