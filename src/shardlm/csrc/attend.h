@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -117,9 +118,18 @@ inline void exp_shifted(float* p, float top, int64_t t) {
 // The positions [lo, hi) a row may see: from its first allowed one to its last. Scores outside are dropped by the
 // softmax anyway (weight 0, skipped by the value sum; adding 0 to the sum changes nothing), so leaving them out
 // changes no value, and a row's cache is read only as far as its own tokens (t is the longest row's).
+// The scans skip eight masked keys a step (a bool false is a zero byte): a causal prompt's rows end at every key
+// of the window, and a byte at a time the backward scans took a tenth of prefill attention's time (`perf`).
 inline std::pair<int64_t, int64_t> allowed_span(const bool* allowed, int64_t t) {
   int64_t lo = 0, hi = t;
+  const auto none = [&](int64_t at) {  // the eight bools from `at` all false
+    uint64_t word;
+    std::memcpy(&word, allowed + at, sizeof(word));
+    return word == 0;
+  };
+  while (hi - lo >= 8 && none(lo)) lo += 8;
   while (lo < hi && !allowed[lo]) ++lo;
+  while (hi - lo >= 8 && none(hi - 8)) hi -= 8;
   while (hi > lo && !allowed[hi - 1]) --hi;
   return {lo, hi};
 }
