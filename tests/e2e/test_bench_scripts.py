@@ -140,6 +140,39 @@ def test_products_vs_commit_loads_a_tree_build_beside_this_one(fmt):
         assert torch.equal(loaded.gemv(xs[k], w), own.gemv(xs[k], w))
 
 
+def test_attention_vs_commit_rows_time_both_builds_and_sdpa():
+    """`bench/attention_vs_commit.py`'s table row (the whole script needs a git worktree of another commit), with this
+    tree's build in both places: timings for both and SDPA, no difference between the builds, and the
+    output near float64 SDPA."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import attention_vs_commit as avc
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import torch
+
+    own = avc.built_kernels(ROOT)
+    for dtype, near in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        row = avc.compare({"this tree": own, "again": own}, dtype, 40, 3)
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 8 and all(float(c.split()[0]) > 0 for c in cells[1:6]), row
+        assert float(cells[6]) == 0 and float(cells[7]) < near, row
+
+
+def test_prefill_vs_transformers_prints_a_row_a_format():
+    """`bench/prefill_vs_transformers.py` with a short prompt and two rounds: a row per format, both rates > 0."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill_vs_transformers.py"), "--formats", "bf16,f32",
+                          "--tokens", "16", "--rounds", "2"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for fmt in ("bf16", "f32"):
+        cells = [c.strip() for c in next(line for line in out.stdout.splitlines()
+                                         if line.startswith(f"| {fmt} |")).strip("|").split("|")]
+        assert float(cells[1].split()[0]) > 0 and float(cells[2].split()[0]) > 0, out.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill_vs_transformers.py"), "--formats", "int3"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--formats takes f32, bf16 (got int3)" in bad.stderr
+
+
 def test_serve_fuzz_finds_nothing_in_a_short_run():
     """`bench/serve_fuzz.py` with 80 random bodies (bad and valid) against one tp 1 server: every reply a 200 or an
     OpenAI error JSON, the server healthy after, SIGTERM exit 0 (the script exits 1 on any finding). Valid bodies

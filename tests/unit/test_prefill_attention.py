@@ -72,6 +72,35 @@ def test_prefill_attention_rows_do_not_depend_on_the_rows_beside_them(hd, dtype,
     assert torch.equal(torch.cat([first, second], dim=2), group[1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_left_padding_and_windows_do_not_change_a_row(dtype, ext):
+    """A prompt alone equals the same prompt left-padded by an odd or an even count into a group, with and without a
+    sliding window, bit for bit: bfloat16 builds with avx512_bf16 pair each row's keys from its own first key
+    (csrc/prefill_dot.h), and a window gives the rows of one block first keys of both parities."""
+    g = torch.Generator().manual_seed(3)
+    hd, hq, hkv, n = 64, 4, 2, 29
+    kv_map = torch.tensor([0, 0, 1, 1])
+    q, k, v = _inputs(1, hq, hkv, n, n, hd, dtype, g)
+    # Equal weights (zero queries) and two values that cancel, 2^20 and -2^20, at the first two keys: a row whose
+    # sum met a third key between those two would lose most of that key's bits, so a change in the order of a
+    # row's sums shows in its output even in bfloat16, whose rounding hides float32 differences of a few units in
+    # the last place. (A row's keys paired from an even slot instead of its own first key fails this.)
+    q[:, :, :8] = 0
+    v[:, :, 0], v[:, :, 1] = 2.0**20, -(2.0**20)
+    for pad in (3, 2):
+        width = n + pad
+        grown = [torch.cat([torch.randn(1, x.shape[1], pad, hd, generator=g).to(dtype), x], dim=2) for x in (q, k, v)]
+        other = _inputs(1, hq, hkv, width, width, hd, dtype, g)
+        qg, kg, vg = (torch.cat([a, b]).contiguous() for a, b in zip(grown, other))
+        valid = torch.ones(2, width, dtype=torch.bool)
+        valid[0, :pad] = False
+        for window in (None, 5):
+            alone = ext.prefill_attention(q, k, v, kv_map,
+                                          attention_mask(torch.ones(1, n, dtype=torch.bool), 0, n, window).contiguous())
+            group = ext.prefill_attention(qg, kg, vg, kv_map, attention_mask(valid, 0, width, window).contiguous())
+            assert torch.equal(group[:1, :, pad:], alone), (pad, window)
+
+
 def test_prefill_attention_refuses_bad_inputs(ext):
     q, k, v = _inputs(1, 2, 1, 4, 4, 8, torch.float32, torch.Generator().manual_seed(2))
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)

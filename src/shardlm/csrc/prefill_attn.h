@@ -115,11 +115,12 @@ inline void fma_tile(const float* x, int64_t ldx, const float* b, int64_t ldb, i
 }
 
 // One block of R rows of head h of sequence j, the first m real (results of rows past m are dropped). scores(c, y,
-// ldy) writes the R rows' scores against keys c .. c + 2 VL at y (rows ldy apart; keys past t score zero); vf (t,
-// hdp) the KV head's widened values (hdp: hd rounded up to 2 VL, zero columns past hd); S: scratch; out (R, hdp).
-template <int R, typename Scores>
-void attend_block(Scores scores, const float* vf, int64_t hdp, const bool* mask, int64_t m, int64_t t, int64_t hd,
-                  std::vector<float>& S, float* out) {
+// ldy) writes the R rows' scores against keys c .. c + 2 VL at y (rows ldy apart; keys past t score zero);
+// values(S, ldS, c0, c1, lo, hi) writes out (R, hdp) from the softmax weights S[r, c - c0] of keys [c0, c1) (zero
+// outside each row's keys [lo[r], hi[r]); rows ldS apart); S: scratch.
+template <int R, typename Scores, typename Values>
+void attend_block(Scores scores, Values values, const bool* mask, int64_t m, int64_t t, int64_t hd,
+                  std::vector<float>& S, float* out, int64_t hdp) {
   int64_t lo[R], hi[R];
   key_ranges(mask, m, t, lo, hi);
   int64_t c0 = t, c1 = 0;
@@ -130,7 +131,8 @@ void attend_block(Scores scores, const float* vf, int64_t hdp, const bool* mask,
     return;
   }
   const int64_t n = c1 - c0, ldS = n + 2 * VL;
-  S.resize(static_cast<size_t>(R * ldS));  // every entry of the R rows is written below
+  S.resize(static_cast<size_t>(R * ldS + 2 * VL));  // every entry of the R rows is written below; a tail that
+                                                    // prefill_dot.h's weight pairs may read past the last row
   for (int64_t c = c0; c < c1; c += 2 * VL) scores(c, S.data() + (c - c0), ldS);  // S[r, c - c0 : +2 VL]
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   for (int64_t r = 0; r < R; ++r) {  // each row's softmax over its own keys; zero weight elsewhere
@@ -144,96 +146,86 @@ void attend_block(Scores scores, const float* vf, int64_t hdp, const bool* mask,
     softmax_row(row + a, mask + r * t + lo[r], e - a, scale);
     std::fill(row + e, row + ldS, 0.f);
   }
-  for (int64_t d = 0; d < hdp; d += 2 * VL) fma_tile<R>(S.data(), ldS, vf + c0 * hdp + d, hdp, n, out + d, hdp);
+  values(S.data(), ldS, c0, c1, lo, hi);
 }
 
-// Scores of bfloat16 queries and keys through avx512_bf16 dot products (prefill_dot.h) where the build has them.
+// The KV heads of k and v (b, hkv, t, hd) widened for the float tiles: K transposed (hd, ldk) a head, V (t, hdp).
 template <typename W>
-constexpr bool pair_scores() {
-#if defined(SHARDLM_BF16_DOT)
-  return std::is_same_v<W, uint16_t> && VL == 16;
-#else
-  return false;
-#endif
-}
-
-// The KV heads of k and v (b, hkv, t, hd), widened for the tiles: V as float32 (t, hdp) a head; K transposed as
-// float32 (hd, ldk) a head, or, for pair scores, as pairs of bfloat16 words (hd2, ldk) a head (prefill_dot.h).
-template <typename W>
-struct WidenedKV {
-  std::vector<float> kt, vf;
-  std::vector<uint32_t> kp;
-  WidenedKV(const W* kp_, const W* vp, int64_t heads, int64_t t, int64_t hd, int64_t ldk, int64_t hdp) {
-    const int64_t hd2 = (hd + 1) / 2;
-    if constexpr (pair_scores<W>()) kp.assign(static_cast<size_t>(heads * hd2 * ldk), 0u);
-    else kt.assign(static_cast<size_t>(heads * hd * ldk), 0.f);
-    vf.assign(static_cast<size_t>(heads * t * hdp), 0.f);
+struct FloatKV {
+  std::vector<float> keys, values;
+  FloatKV(const W* k, const W* v, int64_t heads, int64_t t, int64_t hd, int64_t ldk, int64_t hdp)
+      : keys(static_cast<size_t>(heads * hd * ldk), 0.f), values(static_cast<size_t>(heads * t * hdp), 0.f) {
     at::parallel_for(0, heads, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t g = lo; g < hi; ++g) {
+      for (int64_t g = lo; g < hi; ++g)
         for (int64_t c = 0; c < t; ++c)
-          for (int64_t i = 0; i < hd; ++i) vf[(g * t + c) * hdp + i] = load<W>(vp, (g * t + c) * hd + i);
-#if defined(SHARDLM_BF16_DOT)
-        if constexpr (pair_scores<W>()) {
-          key_pairs(kp_ + g * t * hd, t, hd, ldk, kp.data() + g * hd2 * ldk);
-          continue;
-        }
-#endif
-        for (int64_t c = 0; c < t; ++c)
-          for (int64_t i = 0; i < hd; ++i) kt[(g * hd + i) * ldk + c] = load<W>(kp_, (g * t + c) * hd + i);
-      }
+          for (int64_t i = 0; i < hd; ++i) {
+            keys[(g * hd + i) * ldk + c] = load<W>(k, (g * t + c) * hd + i);
+            values[(g * t + c) * hdp + i] = load<W>(v, (g * t + c) * hd + i);
+          }
     });
   }
 };
+
+// Every block of MR query rows of a query head: fn(j, r0, m, g, first, of) for sequence j, rows r0 .. r0 + m (m <=
+// MR real), KV head g (of all b * hkv), q's offset of row r0, and an (MR, hdp) float32 output it fills; the rows
+// are then stored into out in q's dtype.
+template <typename W, typename Fn>
+void for_each_block(const int64_t* map, int64_t b, int64_t hq, int64_t hkv, int64_t s, int64_t hd, int64_t hdp,
+                    W* op, Fn fn) {
+  const int64_t blocks = (s + MR - 1) / MR;
+  at::parallel_for(0, b * hq * blocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> of(static_cast<size_t>(MR * hdp));
+    for (int64_t task = lo; task < hi; ++task) {  // task = (j, h, block)
+      const int64_t j = task / (hq * blocks), h = (task / blocks) % hq, r0 = (task % blocks) * MR;
+      const int64_t m = std::min<int64_t>(MR, s - r0), first = ((j * hq + h) * s + r0) * hd;
+      fn(j, r0, m, j * hkv + map[h], first, of.data());
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < hd; ++i) op[first + r * hd + i] = store<W>(of[r * hdp + i]);
+    }
+  });
+}
 
 template <typename W>
 torch::Tensor prefill_attention_t(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const torch::Tensor& kv_map, const torch::Tensor& mask) {
   const int64_t b = q.size(0), hq = q.size(1), s = q.size(2), hd = q.size(3), hkv = k.size(1), t = k.size(2);
-  const int64_t ldk = t + 2 * VL, hdp = (hd + 2 * VL - 1) / (2 * VL) * (2 * VL), hd2 = (hd + 1) / 2;
+  const int64_t ldk = t + 2 * VL, hdp = (hd + 2 * VL - 1) / (2 * VL) * (2 * VL);
   const W* qp = data<W>(q);
   const int64_t* map = kv_map.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
   for (int64_t h = 0; h < hq; ++h)
     TORCH_CHECK(map[h] >= 0 && map[h] < hkv, "prefill attention: kv_map[", h, "] = ", map[h], " is not a KV head");
-  const WidenedKV<W> kv(data<W>(k), data<W>(v), b * hkv, t, hd, ldk, hdp);
   auto out = torch::empty_like(q);
   W* op = mutable_data<W>(out);
-  const int64_t blocks = (s + MR - 1) / MR;
-  at::parallel_for(0, b * hq * blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> S, qf(static_cast<size_t>(MR * hd)), of(static_cast<size_t>(MR * hdp));
-    std::vector<uint32_t> qw(static_cast<size_t>(MR * hd2));
-    for (int64_t task = lo; task < hi; ++task) {  // task = (j, h, block)
-      const int64_t j = task / (hq * blocks), h = (task / blocks) % hq, r0 = (task % blocks) * MR;
-      const int64_t m = std::min<int64_t>(MR, s - r0), g = j * hkv + map[h];
-      const int64_t first = ((j * hq + h) * s + r0) * hd;  // q and out offset of row r0
-      const float* vg = kv.vf.data() + g * t * hdp;
-      const bool* mg = mp + (j * s + r0) * t;
 #if defined(SHARDLM_BF16_DOT)
-      if constexpr (pair_scores<W>()) {  // the rows' bfloat16 words in pairs (MR, hd2), zero past m and hd
-        const uint16_t* words = reinterpret_cast<const uint16_t*>(qp) + first;
-        for (int64_t r = 0; r < MR; ++r)
-          for (int64_t p = 0; p < hd2; ++p) {
-            if (r >= m) {
-              qw[r * hd2 + p] = 0u;
-              continue;
-            }
-            const uint32_t lo = words[r * hd + 2 * p], hi = 2 * p + 1 < hd ? words[r * hd + 2 * p + 1] : 0u;
-            qw[r * hd2 + p] = lo | (hi << 16);
-          }
-        const uint32_t* kg = kv.kp.data() + g * hd2 * ldk;
-        auto scores = [&](int64_t c, float* y, int64_t ldy) { pair_tile<MR>(qw.data(), hd2, kg + c, ldk, y, ldy); };
-        attend_block<MR>(scores, vg, hdp, mg, m, t, hd, S, of.data());
-      }
+  if constexpr (std::is_same_v<W, uint16_t> && VL == 16) {  // bfloat16 through avx512_bf16 (prefill_dot.h)
+    const PairKV kv(data<W>(k), data<W>(v), b * hkv, t, hd, ldk, hdp);
+    for_each_block(map, b, hq, hkv, s, hd, hdp, op, [&](int64_t j, int64_t r0, int64_t m, int64_t g, int64_t first,
+                                                         float* of) {
+      thread_local std::vector<float> S;
+      thread_local std::vector<uint32_t> qw, pw;
+      query_pairs(qp + first, m, hd, MR, qw);
+      auto scores = [&](int64_t c, float* y, int64_t ldy) { kv.scores<MR>(qw.data(), g, c, y, ldy); };
+      auto values = [&](const float* Sd, int64_t ldS, int64_t c0, int64_t, const int64_t* lo, const int64_t* hi) {
+        kv.values<MR>(Sd, ldS, c0, lo, hi, m, g, pw, of);
+      };
+      attend_block<MR>(scores, values, mp + (j * s + r0) * t, m, t, hd, S, of, hdp);
+    });
+    return out;
+  }
 #endif
-      if constexpr (!pair_scores<W>()) {
-        for (int64_t e = 0; e < MR * hd; ++e) qf[e] = e < m * hd ? load<W>(qp, first + e) : 0.f;
-        const float* kg = kv.kt.data() + g * hd * ldk;
-        auto scores = [&](int64_t c, float* y, int64_t ldy) { fma_tile<MR>(qf.data(), hd, kg + c, ldk, hd, y, ldy); };
-        attend_block<MR>(scores, vg, hdp, mg, m, t, hd, S, of.data());
-      }
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < hd; ++i) op[first + r * hd + i] = store<W>(of[r * hdp + i]);
-    }
+  const FloatKV<W> kv(data<W>(k), data<W>(v), b * hkv, t, hd, ldk, hdp);
+  for_each_block(map, b, hq, hkv, s, hd, hdp, op, [&](int64_t j, int64_t r0, int64_t m, int64_t g, int64_t first,
+                                                       float* of) {
+    thread_local std::vector<float> S, qf;
+    qf.resize(static_cast<size_t>(MR * hd));
+    for (int64_t e = 0; e < MR * hd; ++e) qf[e] = e < m * hd ? load<W>(qp, first + e) : 0.f;
+    const float *kg = kv.keys.data() + g * hd * ldk, *vg = kv.values.data() + g * t * hdp;
+    auto scores = [&](int64_t c, float* y, int64_t ldy) { fma_tile<MR>(qf.data(), hd, kg + c, ldk, hd, y, ldy); };
+    auto values = [&](const float* Sd, int64_t ldS, int64_t c0, int64_t c1, const int64_t*, const int64_t*) {
+      for (int64_t d = 0; d < hdp; d += 2 * VL) fma_tile<MR>(Sd, ldS, vg + c0 * hdp + d, hdp, c1 - c0, of + d, hdp);
+    };
+    attend_block<MR>(scores, values, mp + (j * s + r0) * t, m, t, hd, S, of, hdp);
   });
   return out;
 }
