@@ -6,9 +6,10 @@
 // - A score is one float32 chain over the head dimension's pairs in order; at pair p the hardware fuses
 //   q[2p + 1] * k[2p + 1] and then q[2p] * k[2p] (one rounding each; inputs and results below float32's normal range
 //   flushed to zero: bf16dot.h). q and k are bfloat16 already, so nothing is rounded on the way in.
-// - The softmax is prefill_attn.h's, in float32. Its weights are then rounded to bfloat16 (as torch's CPU flash
-//   attention rounds them for bfloat16), and an output column is one float32 chain over the row's keys in pairs
-//   from its own first key, each pair fusing the second key's product and then the first's.
+// - The softmax is prefill_attn.h's, in float32. Its weights are then rounded to bfloat16 (torch's CPU flash
+//   attention likewise rounds its exponentials to bfloat16 before their product with bfloat16 values), and an
+//   output column is one float32 chain over the row's keys in pairs from its own first key, each pair fusing the
+//   second key's product and then the first's.
 // So a row's result depends on its query and the keys and values it may see, not on the batch, the block, its
 // padding or where a chunk of its prompt started.
 #pragma once
