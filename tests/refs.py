@@ -242,3 +242,70 @@ def float_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     for t in range(kk, k):
         s = s + x[:, None, t] * w[None, :, t]
     return s
+
+
+def exp_lanes_reference(x: torch.Tensor) -> torch.Tensor:
+    """csrc/attend.h's exp_lanes on float32 values, step by step (each product and sum rounded on its own, as the
+    build's contraction-off arithmetic): clamp to [-87, 88], x = n ln2 + r, the degree-6 polynomial, times 2^n."""
+    f = torch.float32
+    x = torch.where(x > 88.0, torch.tensor(88.0, dtype=f), x)
+    x = torch.where(x < -87.0, torch.tensor(-87.0, dtype=f), x)
+    fx = x * torch.tensor(1.44269504088896341, dtype=f) + torch.tensor(0.5, dtype=f)
+    n = fx.to(torch.int32).to(f)  # truncation, then floor
+    n = torch.where(n > fx, n - 1, n)
+    x = x - n * torch.tensor(0.693359375, dtype=f)
+    x = x - n * torch.tensor(-2.12194440e-4, dtype=f)
+    p = torch.full_like(x, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * x + torch.tensor(c, dtype=f)
+    p = p * (x * x) + x + torch.tensor(1.0, dtype=f)
+    scale = ((n.to(torch.int32) + 127) << 23).view(f)  # 2^n, n in [-126, 127]
+    return p * scale
+
+
+def _pair_chain(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """VDPBF16PS steps over the last dimension of a and b (bfloat16 values as float32, pairs 2i, 2i + 1), into the
+    float32 chains acc: each pair fuses the second's product, then the first's (inputs below the normal range zero)."""
+    a, b = _flushed(a).double(), _flushed(b).double()
+    for i in range(0, a.shape[-1], 2):
+        for col in (i + 1, i):
+            if col < a.shape[-1]:
+                acc = _fused_flushed(a[..., col] * b[..., col] + acc.double())
+    return acc
+
+
+def prefill_pairs_reference(q, k, v, kv_map, mask) -> torch.Tensor:
+    """The bfloat16 prefill attention of avx512_bf16 builds (csrc/prefill_dot.h, prefill_attn.h), emulated row by row:
+    scores as VDPBF16PS chains over the head dimension's pairs; the softmax of softmax_row over the row's span of
+    allowed keys (scaled, the max, exp_lanes, the sum in eight lanes from the span's first key, then the lanes in
+    order, times 1 / sum); the weights rounded to bfloat16 and the values summed as VDPBF16PS chains over key pairs
+    from the span's first key; the output rounded to bfloat16."""
+    f = torch.float32
+    b, hq, s, hd = q.shape
+    out = torch.zeros(b, hq, s, hd, dtype=torch.bfloat16)
+    scale = torch.tensor(1.0, dtype=f) / torch.sqrt(torch.tensor(float(hd), dtype=f))
+    for j in range(b):
+        for h in range(hq):
+            keys, values = k[j, kv_map[h]].float(), v[j, kv_map[h]].float()
+            for r in range(s):
+                allowed = mask[j, 0, r]
+                where = allowed.nonzero().flatten()
+                lo, hi = int(where[0]), int(where[-1]) + 1
+                ok = allowed[lo:hi]
+                scores = _pair_chain(torch.zeros(hi - lo), q[j, h, r].float().expand(hi - lo, hd), keys[lo:hi])
+                x = scores * scale
+                top = x[ok].max()
+                e = torch.where(ok, exp_lanes_reference(x - top), torch.zeros_like(x))
+                n = hi - lo
+                lanes = torch.zeros(8)
+                for c in range(0, n, 8):
+                    chunk = torch.zeros(8)
+                    chunk[:min(8, n - c)] = e[c:c + 8]
+                    lanes = lanes + chunk
+                total = torch.zeros((), dtype=f)
+                for lane in range(8):
+                    total = total + lanes[lane]
+                weights = _flushed(e * (torch.tensor(1.0, dtype=f) / total)).bfloat16().float()
+                acc = _pair_chain(torch.zeros(hd), weights.expand(hd, n), values[lo:hi].T)
+                out[j, h, r] = acc.bfloat16()
+    return out

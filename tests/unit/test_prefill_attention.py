@@ -101,6 +101,34 @@ def test_prefill_attention_left_padding_and_windows_do_not_change_a_row(dtype, e
             assert torch.equal(group[:1, :, pad:], alone), (pad, window)
 
 
+def test_bfloat16_prefill_attention_is_the_documented_pair_arithmetic(ext):
+    """On builds with avx512_bf16, bfloat16 prefill attention equals its emulation (tests/refs.py
+    prefill_pairs_reference) bit for bit: GQA with an irregular map, head sizes with and without an odd pair, left
+    padding, a sliding window, a chunk past position 0."""
+    if not ext.bf16_dot():
+        pytest.skip("this CPU has no avx512_bf16: bfloat16 prefill attention keeps the float tiles here")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from refs import prefill_pairs_reference
+
+    g = torch.Generator().manual_seed(4)
+    kv_map = torch.tensor([0, 0, 1, 2, 2])
+    for hd in (13, 32):
+        q, k, v = _inputs(2, 5, 3, 19, 27, hd, torch.bfloat16, g)
+        valid = torch.ones(2, 27, dtype=torch.bool)
+        valid[1, :5] = False
+        # Equal weights for the first rows and values 2^20, -2^20 at the second and third keys of each sequence's
+        # span: an output then shows the order of its chain (bfloat16's rounding hides small differences).
+        q[:, :, :8] = 0
+        v[0, :, 1], v[0, :, 2], v[1, :, 6], v[1, :, 7] = 2.0**20, -(2.0**20), 2.0**20, -(2.0**20)
+        for window in (None, 6):
+            mask = attention_mask(valid, 8, 19, window).contiguous()
+            got = ext.prefill_attention(q, k, v, kv_map, mask)
+            assert torch.equal(got, prefill_pairs_reference(q, k, v, kv_map, mask)), (hd, window)
+
+
 def test_prefill_attention_refuses_bad_inputs(ext):
     q, k, v = _inputs(1, 2, 1, 4, 4, 8, torch.float32, torch.Generator().manual_seed(2))
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)

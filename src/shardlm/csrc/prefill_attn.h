@@ -7,7 +7,8 @@
 // row's softmax runs over its own allowed keys (max, e^x lane by lane, the sum in eight lanes from its first key);
 // an output is one FMA chain over keys in order, and the keys a row may not see add exact zeros. So a position's
 // result depends on its query and the keys and values it may see, not on the rows padded or blocked beside it,
-// nor on where a chunk of its prompt started.
+// nor on where a chunk of its prompt started. bfloat16 on builds with avx512_bf16 takes both tiles as dot products
+// of bfloat16 pairs instead (prefill_dot.h), with the same independence.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
