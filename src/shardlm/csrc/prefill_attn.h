@@ -132,8 +132,7 @@ void attend_block(Scores scores, Values values, const bool* mask, int64_t m, int
     return;
   }
   const int64_t n = c1 - c0, ldS = n + 2 * VL;
-  S.resize(static_cast<size_t>(R * ldS + 2 * VL));  // every entry of the R rows is written below; a tail that
-                                                    // prefill_dot.h's weight pairs may read past the last row
+  S.resize(static_cast<size_t>(R * ldS));  // every entry of the R rows is written below
   for (int64_t c = c0; c < c1; c += 2 * VL) scores(c, S.data() + (c - c0), ldS);  // S[r, c - c0 : +2 VL]
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   for (int64_t r = 0; r < R; ++r) {  // each row's softmax over its own keys; zero weight elsewhere

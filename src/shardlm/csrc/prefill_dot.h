@@ -117,7 +117,7 @@ struct PairKV {  // keys, vals: the pairs; hd2 pairs a key, ldk keys a pair row,
       pw.resize(static_cast<size_t>(R * ldp));
       for (int r = 0; r < R; ++r) {
         if (!(rows >> r & 1u)) continue;
-        const float* from = S + r * ldS + (a - c0);  // reads up to 31 floats past its pairs (S has a tail)
+        const float* from = S + r * ldS + (a - c0);  // its loads end within the row: z - c0 + 31 <= ldS
         for (int64_t i = 0; i < steps; i += 16) {
           const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(from + 2 * i + 16), _mm512_loadu_ps(from + 2 * i));
           _mm512_storeu_si512(pw.data() + r * ldp + i, reinterpret_cast<__m512i>(w));
