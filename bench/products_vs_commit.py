@@ -1,7 +1,7 @@
 """The decode products of this tree's kernels against an earlier commit's, both loaded in one process.
 
-    python bench/products_vs_commit.py --commit d92a995 [--format float32|bfloat16|int8 [--exact]] [--rows 1,4,16]
-                                       [--passes 16] [--caches]
+    python bench/products_vs_commit.py --commit d92a995 [--format float32|bfloat16|int8|int4 [--exact]]
+                                       [--rows 1,4,16] [--passes 16] [--caches]
 
 The bundled model's seven products of a layer (bench/decode_products.py's shapes, random weights) over 30 layers of
 distinct weights (from memory; `--caches`: one layer's weights 30 times), timed a pass at a time with the two
@@ -9,7 +9,8 @@ builds alternating pass by pass, so that both see the same minutes of this VM's 
 within minutes, which separate processes, as in bench/step_vs_commit.py, only average out over many rounds). The
 earlier commit is checked out as a git worktree (/tmp/shardlm-COMMIT, as bench/decode_vs_commit.py does) and its
 kernels built by a child process with that tree on PYTHONPATH; this process then loads both builds (each build is
-its own module). Prints the median and best ms of a pass over the 30 layers per build and their ratio.
+its own module). int4 weights are packed by each tree's own shardlm/quant.py (their layouts may differ), from the
+same float weights. Prints the median and best ms of a pass over the 30 layers per build and their ratio.
 """
 
 from __future__ import annotations
@@ -50,24 +51,43 @@ def built_kernels(tree: Path):
     return module
 
 
-def layer_weights(g: torch.Generator, fmt: str) -> list:
-    """One layer's seven weights as (in features, weight in `fmt`)."""
+def tree_quant(tree: Path):
+    """`tree`'s shardlm/quant.py loaded as a module of its own (its imports resolve to this tree's modules)."""
+    name = f"quant_of_{abs(hash(str(tree)))}"
+    spec = importlib.util.spec_from_file_location(name, tree / "src" / "shardlm" / "quant.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def layer_weights(g: torch.Generator, fmt: str, quants: list) -> list:
+    """One layer's seven weights as (in features, [weight in `fmt` for each build]): int4 packed by each build's
+    quant module (`quants`), the other formats shared."""
     from shardlm.quant import quantize_int8
 
     out = []
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=g) * 0.02
-        out.append((k, quantize_int8(w) if fmt == "int8" else w.to(getattr(torch, fmt))))
+        if fmt == "int4":
+            out.append((k, [q.quantize_int4(w) for q in quants]))
+        else:
+            one = quantize_int8(w) if fmt == "int8" else w.to(getattr(torch, fmt))
+            out.append((k, [one] * len(quants)))
     return out
 
 
-def one_pass(ext, layers: list, xs: dict, fmt: str, exact: bool = False) -> float:
+def one_pass(ext, layers: list, xs: dict, fmt: str, exact: bool = False, build: int = 0) -> float:
     """ms of one pass over `layers` with `ext`'s products (int8: float-summed rows, gemv_int8's default; `exact`:
-    every product summed exact on interleaved codes, as a rank sums its o and down projections)."""
+    every product summed exact on interleaved codes, as a rank sums its o and down projections; int4: the float
+    sums, or `exact` the double ones); `build`: which build's weights each entry takes."""
     t0 = time.perf_counter()
     for layer in layers:
-        for k, w in layer:
-            if fmt == "int8" and exact:
+        for k, ws in layer:
+            w = ws[build]
+            if fmt == "int4":
+                ext.gemm_int4(xs[k], *w.kernel_args(), exact, False)
+            elif fmt == "int8" and exact:
                 ext.gemv_int8(xs[k], w.q, w.scale, True, False, True)
             elif fmt == "int8":
                 ext.gemv_int8(xs[k], w.q, w.scale)
@@ -80,21 +100,24 @@ def main() -> None:
     """Build both, time them alternating, print the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--commit", required=True)
-    ap.add_argument("--format", choices=("float32", "bfloat16", "int8"), default="bfloat16")
+    ap.add_argument("--format", choices=("float32", "bfloat16", "int8", "int4"), default="bfloat16")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--passes", type=int, default=16, help="passes per build and row count")
     ap.add_argument("--caches", action="store_true", help="one layer's weights 30 times instead of 30 layers")
     ap.add_argument("--exact", action="store_true",
-                    help="int8: every product summed exact on interleaved codes (both trees need csrc/qexact.h)")
+                    help="int8: every product summed exact on interleaved codes (both trees need csrc/qexact.h); "
+                         "int4: every product summed in double")
     args = ap.parse_args()
-    builds = {"this tree": built_kernels(ROOT), args.commit: built_kernels(worktree(args.commit))}
+    trees = {"this tree": ROOT, args.commit: worktree(args.commit)}
+    builds = {name: built_kernels(tree) for name, tree in trees.items()}
+    quants = [tree_quant(tree) for tree in trees.values()] if args.format == "int4" else [None, None]
     g = torch.Generator().manual_seed(0)
-    layers = [layer_weights(g, args.format) for _ in range(1 if args.caches else LAYERS)]
-    if args.exact:
+    layers = [layer_weights(g, args.format, quants) for _ in range(1 if args.caches else LAYERS)]
+    if args.exact and args.format == "int8":
         from shardlm.quant import interleave_columns
 
         for layer in layers:
-            for _, w in layer:
+            for _, (w, _) in layer:
                 w.q, w.interleaved = interleave_columns(w.q), True
     layers = layers * (LAYERS // len(layers))
     where = "one layer's weights 30 times (caches)" if args.caches else "30 layers (memory)"
@@ -108,7 +131,7 @@ def main() -> None:
         got = {n: [] for n in names}
         for p in range(args.passes):
             for name in names if p % 2 else names[::-1]:
-                got[name].append(one_pass(builds[name], layers, xs, args.format, args.exact))
+                got[name].append(one_pass(builds[name], layers, xs, args.format, args.exact, names.index(name)))
         med = {n: statistics.median(v) for n, v in got.items()}
         cells = " | ".join(f"{med[n]:.2f} ({min(got[n]):.2f})" for n in names)
         print(f"| {b} | {cells} | {med[names[0]] / med[names[1]]:.3f} |", flush=True)

@@ -150,6 +150,29 @@ def int8_exact_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
     return (terms.sum(-1) * scale.double()[None, :]).float()
 
 
+def int4_exact_reference(x: torch.Tensor, qw) -> torch.Tensor:
+    """q4tiles.h's `exact` int4 arithmetic, emulated (float64 (b, n), what `gemm_int4(..., exact=True, wide=True)`
+    returns): x placed at the weight's padded columns and quantized per block of 32 as quantize_rows does; per
+    (row, group) the integer sum of weight codes (0..15) times activation codes, times float32(scale * d) in float32,
+    the terms added in float64; plus per group float32(zero - 8 * scale) times float32(d * the codes' sum), each product
+    and their sum in float64."""
+    codes_w, scale, zero = qw.codes()  # (n, kp) uint8, (n, groups) float32 each
+    n, kp = codes_w.shape
+    b = x.shape[0]
+    padded = F.pad(x, (qw.pad_left, kp - qw.pad_left - x.shape[1])).view(b, kp // 32, 32)  # (b, groups, 32)
+    amax = padded.abs().amax(-1)  # (b, groups)
+    d = amax / 32767
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))
+    codes = torch.round(padded * inv[..., None]).to(torch.int64)  # (b, groups, 32)
+    xsum = d * codes.sum(-1).float()  # (b, groups) float32
+    isum = torch.einsum("jgc,rgc->jrg", codes, codes_w.to(torch.int64).view(n, kp // 32, 32))  # (b, n, groups)
+    f = scale[None] * d[:, None, :]  # (b, n, groups) float32
+    terms = (isum.float() * f).double().sum(-1)
+    m = zero - 8 * scale  # (n, groups) float32
+    zterms = (m.double()[None] * xsum.double()[:, None, :]).sum(-1)
+    return terms + zterms
+
+
 def int8_float_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, units: str) -> torch.Tensor:
     """qrows.h's float-lane int8 arithmetic (weights no rank splits), emulated: x quantized as quantize_rows does;
     per pair and block, int32 lane sums (AVX-512: 16 lanes, lane l columns 2l and 2l + 1; AVX2: 8 lanes, lane l

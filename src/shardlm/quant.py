@@ -115,9 +115,9 @@ class Int4Weight:
     """int4 codes, scales and zeros in the layout of the device's kernel, and the padding.
 
     CPU (csrc/q4tiles.h, any number of rows): rows in tiles of 16 (the last padded with zero rows), each
-    tile's codes group by group: `packed` (tiles, groups, 256) uint8, where chunk c (32 bytes) of a group holds
-    row i's columns (2c, 2c + 1) in the low nibbles of its bytes 2i, 2i + 1 and columns (16 + 2c, 17 + 2c) in
-    their high nibbles; `scales_zeros` (tiles, groups, 32), the tile's 16 scales then its 16 zeros. CUDA (torch's tinygemm kernel): `packed` in its tiled layout over a multiple
+    tile's codes group by group: `packed` (tiles, groups, 256) uint8, where line m (64 bytes) of a group holds
+    row i's columns 4m + b (b = 0..3) in the low nibbles of its bytes 4i + b and columns 16 + 4m + b in their
+    high nibbles; `scales_zeros` (tiles, groups, 32), the tile's 16 scales then its 16 zeros. CUDA (torch's tinygemm kernel): `packed` in its tiled layout over a multiple
     of 16 rows, `scales_zeros` (groups, rows, 2). `pad_left`/`pad_right` zero columns were added so the local
     columns fall on whole groups; `out` real rows are kept.
     """
@@ -161,10 +161,10 @@ class Int4Weight:
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The CPU layout unpacked: codes (out, padded in) uint8 in 0..15, scales and zeros (out, groups) float32."""
         tiles, groups, _ = self.packed.shape
-        chunks = self.packed.view(tiles, groups, CPU_TILE_CHUNKS, CPU_TILE, 2)  # (tiles, groups, chunk, row, pair)
-        # low nibbles: columns 2c + e (the group's first 16), high: 16 + 2c + e; (tiles, groups, row, 16) each
-        low = (chunks & 15).permute(0, 1, 3, 2, 4).reshape(tiles, groups, CPU_TILE, 16)
-        high = (chunks >> 4).permute(0, 1, 3, 2, 4).reshape(tiles, groups, CPU_TILE, 16)
+        lines = self.packed.view(tiles, groups, CPU_TILE_LINES, CPU_TILE, 4)  # (tiles, groups, line, row, byte)
+        # low nibbles: columns 4m + b (the group's first 16), high: 16 + 4m + b; (tiles, groups, row, 16) each
+        low = (lines & 15).permute(0, 1, 3, 2, 4).reshape(tiles, groups, CPU_TILE, 16)
+        high = (lines >> 4).permute(0, 1, 3, 2, 4).reshape(tiles, groups, CPU_TILE, 16)
         # (tiles, groups, row, 32) -> (tiles, row, groups, 32) -> (rows, padded in)
         codes = torch.cat([low, high], dim=-1).permute(0, 2, 1, 3).reshape(tiles * CPU_TILE, groups * self.group)
         sz = self.scales_zeros.float().view(tiles, groups, 2, CPU_TILE).permute(2, 0, 3, 1)  # (2, tiles, row, groups)
@@ -282,8 +282,8 @@ def int4_codes(w: torch.Tensor, start: int = 0, total: int | None = None, group_
 
 CPU_TILE = 16
 """Rows of an int4 weight the CPU layout interleaves (csrc/q4tiles.h)."""
-CPU_TILE_CHUNKS = 8
-"""32-byte chunks a (tile, group of 32 columns) holds."""
+CPU_TILE_LINES = 4
+"""64-byte lines a (tile, group of 32 columns) holds."""
 
 
 def _cpu_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,10 +298,10 @@ def _cpu_tiles(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_s
     scale, zero = F.pad(scale.float(), (0, 0, 0, extra)), F.pad(zero.float(), (0, 0, 0, extra))
     # (rows, padded in) -> (tiles, row, groups, 32) -> (tiles, groups, row, 32)
     t = q8.view(tiles, CPU_TILE, groups, group_size).permute(0, 2, 1, 3)
-    # columns 2c + e (the group's first 16) and 16 + 2c + e: (tiles, groups, row, chunk c, e)
-    low = t[..., :16].reshape(tiles, groups, CPU_TILE, CPU_TILE_CHUNKS, 2)
-    high = t[..., 16:].reshape(tiles, groups, CPU_TILE, CPU_TILE_CHUNKS, 2)
-    # byte 2i + e of chunk c: (tiles, groups, chunk, row, e) -> (tiles, groups, 256)
+    # columns 4m + b (the group's first 16) and 16 + 4m + b: (tiles, groups, row, line m, b)
+    low = t[..., :16].reshape(tiles, groups, CPU_TILE, CPU_TILE_LINES, 4)
+    high = t[..., 16:].reshape(tiles, groups, CPU_TILE, CPU_TILE_LINES, 4)
+    # byte 4i + b of line m: (tiles, groups, line, row, b) -> (tiles, groups, 256)
     packed = (low | high << 4).permute(0, 1, 3, 2, 4).reshape(tiles, groups, CPU_TILE * group_size // 2)
     # (rows, groups) -> (tiles, groups, 16) for scales and zeros, side by side: (tiles, groups, 32)
     sz = torch.cat([v.view(tiles, CPU_TILE, groups).transpose(1, 2) for v in (scale, zero)], dim=-1)

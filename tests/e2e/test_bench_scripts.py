@@ -112,11 +112,11 @@ def test_greedy_runs_compares_compiled_and_python_runs():
     assert float(cells[2].split()[0]) > 0 and float(cells[3].split()[0]) > 0 and float(cells[4]) > 0, out.stdout
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
 def test_products_vs_commit_loads_a_tree_build_beside_this_one(fmt):
     """`bench/products_vs_commit.py`'s parts (the whole script needs a git worktree of another commit): a tree's
-    kernels built by a child and loaded here, timing a pass of one layer's products, and the same products as this
-    process's own build."""
+    kernels built by a child and loaded here, a tree's quant.py loaded as its own module (int4 packs by it), timing a
+    pass of one layer's products, and the same products as this process's own build."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import products_vs_commit as pvc
@@ -125,16 +125,24 @@ def test_products_vs_commit_loads_a_tree_build_beside_this_one(fmt):
     import torch
 
     from shardlm.kernels.build import extension
+    from shardlm.quant import quantize_int4
     from shardlm.settings import Settings
 
     loaded = pvc.built_kernels(ROOT)
     own = extension(Settings.from_env().kernel_dir)
     assert loaded.__file__ == own.__file__  # this tree's build (another tree's has a name of its own)
-    layers = [pvc.layer_weights(torch.Generator().manual_seed(1), fmt)]
+    quant = pvc.tree_quant(ROOT)
+    layers = [pvc.layer_weights(torch.Generator().manual_seed(1), fmt, [quant, quant])]
     xs = {k: torch.randn(2, k) for k in (576, 1536)}
-    assert pvc.one_pass(loaded, layers, xs, fmt) > 0
-    k, w = layers[0][-1]
-    if fmt == "int8":
+    assert pvc.one_pass(loaded, layers, xs, fmt, build=1) > 0
+    k, (w, _) = layers[0][-1]
+    if fmt == "int4":  # the module loaded from the tree packs as this process's shardlm.quant does
+        f = torch.randn(40, 96)
+        ref, got = quantize_int4(f), quant.quantize_int4(f)
+        assert torch.equal(got.packed, ref.packed) and torch.equal(got.scales_zeros, ref.scales_zeros)
+        assert torch.equal(loaded.gemm_int4(xs[k], *w.kernel_args(), False, False),
+                           own.gemm_int4(xs[k], *w.kernel_args(), False, False))
+    elif fmt == "int8":
         assert torch.equal(loaded.gemv_int8(xs[k], w.q, w.scale), own.gemv_int8(xs[k], w.q, w.scale))
     else:
         assert torch.equal(loaded.gemv(xs[k], w), own.gemv(xs[k], w))

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refs import (blocks_of_32, bf16_dot_reference, float_rows_reference, fused_block_inputs,
+from refs import (blocks_of_32, int4_exact_reference, bf16_dot_reference, float_rows_reference, fused_block_inputs,
                   int8_exact_reference, int8_float_reference)
 from shardlm import kernels
 from shardlm.kernels.linear import LinearOps, OneDNNWeight
@@ -252,6 +252,28 @@ def test_int4_dequantized_matches_the_codes():
     want = ((q.float().view(7, -1, 32) - 8) * s[..., None] + z[..., None]).view(7, -1)[:, left:left + 70]
     assert torch.equal(qw.dequantized(), want)
     assert (qw.dequantized() - w).abs().max() <= (scale.max() / 2) * 1.05  # half a step, bfloat16 scales
+
+
+@pytest.mark.parametrize("n,k,start", [(37, 200, 5), (16, 64, 0)])
+def test_int4_exact_sums_are_the_integer_products_of_the_codes(n, k, start, ext):
+    """The int4 tiles' byte dot products (each activation code as 256 * its high byte + its low byte) give the
+    integer sums of the codes' products: the `exact` (double) results equal their emulation bit for bit, with codes
+    at both ends of int16 (+-32767, whose high byte is -128 or 127), small negative ones (high byte -1, low 255) and
+    zero blocks, alone and at 5 rows (the 4-row tiles)."""
+    from shardlm.quant import quantize_int4
+
+    g = torch.Generator().manual_seed(9)
+    qw = quantize_int4(torch.randn(n, k, generator=g), start, start + k + 40)
+    x = torch.randn(5, k, generator=g)
+    x[0, :32] = torch.linspace(-1, 1, 32)  # codes from -32767 to 32767
+    x[1, 7] = -50.0  # a block whose other codes are small negative and positive numbers
+    x[2, 40:72] = 0.0
+    x[3] = -x[3].abs()
+    want = int4_exact_reference(x, qw)
+    got = ext.gemm_int4(x, *qw.kernel_args(), True, True)
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+    alone = torch.cat([ext.gemm_int4(x[j:j + 1], *qw.kernel_args(), True, True) for j in range(5)])
+    assert torch.equal(alone, want)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -199,6 +199,7 @@ inline void quantize_padded(const float* x, int64_t b, int64_t k, int64_t pad_le
 inline void quantize_for(const Linear& l, const float* x, int64_t b, int64_t k, QuantRows& out) {
   quantize_padded(x, b, k, l.pad_left, l.padded_width(), out);
   if (l.interleaved) interleave_rows(out, b);
+  if (l.int4()) split_bytes(out);
 }
 
 // Units [lo, hi) of a quantized weight (int4: tiles of 16 rows; int8: rows) against xq into y (b, n) as T.

@@ -108,6 +108,7 @@ torch::Tensor gemm_int4(torch::Tensor x_in, torch::Tensor codes, torch::Tensor s
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
   shardlm::quantize_padded(x.data_ptr<float>(), b, k, pad_left, kp, xq);
+  shardlm::split_bytes(xq);
   const auto lead = out_shape(x_in, n);
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));

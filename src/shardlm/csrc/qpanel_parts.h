@@ -101,8 +101,8 @@ inline void deinterleave_panel(int32_t* out, int64_t kp) { transpose_groups(out,
 // Rows [r0, r0 + QPANEL) of an int4 weight in q4tiles.h's row tiles (tiles past the weight's as zeros): the codes
 // q (0..15) as int16 pairs, out[p * QPANEL + i] as widen_qpanel lays them out, and per group g and row i the scale
 // s[g * QPANEL + i] and m[g * QPANEL + i] = zero - 8 * scale (md: m as a double), so that a group's product is
-// s * (q codes . x codes) * x scale + m * x sum, as q4tiles.h computes it. A chunk's bytes, widened, are already 16
-// rows' pairs: the low nibbles pair p = chunk, the high ones pair p = 8 + chunk.
+// s * (q codes . x codes) * x scale + m * x sum, as q4tiles.h computes it. Line m's low nibbles hold the pairs 2m
+// and 2m + 1 of 16 rows (row i's in bytes 4i .. 4i + 3), its high nibbles the pairs 8 + 2m and 9 + 2m.
 inline void widen_qpanel_int4(const Int4Tiles& w, int64_t r0, int32_t* out, float* s, float* m, double* md) {
   for (int64_t part = 0; part < QPANEL; part += Q4TILE) {
     const int64_t t = (r0 + part) / Q4TILE;
@@ -117,21 +117,26 @@ inline void widen_qpanel_int4(const Int4Tiles& w, int64_t r0, int32_t* out, floa
         md[g * QPANEL + part + i] = m[g * QPANEL + part + i];
       }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-      const __m512i low = _mm512_set1_epi16(15);
-      for (int64_t ch = 0; ch < Q4CHUNKS; ++ch) {
-        const __m512i wide = real ? _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-                                        reinterpret_cast<const __m256i*>(w.at(t, g) + 32 * ch)))
-                                  : _mm512_setzero_si512();
-        _mm512_storeu_si512(words + ch * QPANEL, _mm512_and_si512(wide, low));
-        _mm512_storeu_si512(words + (Q4CHUNKS + ch) * QPANEL, _mm512_srli_epi16(wide, 4));
+      const __m512i nibble = _mm512_set1_epi8(15);
+      const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+      for (int64_t line = 0; line < Q4LINES; ++line) {
+        const __m512i v = real ? _mm512_loadu_si512(w.at(t, g) + 64 * line) : _mm512_setzero_si512();
+        const __m512i halves[2] = {_mm512_and_si512(v, nibble), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+        for (int h = 0; h < 2; ++h) {
+          // rows 0-7 and 8-15 as int16, four columns a row: as int32, word 2i + e is row i's pair 2 * line + e
+          const __m512i rows0 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(halves[h]));
+          const __m512i rows8 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(halves[h], 1));
+          const int64_t p = 8 * h + 2 * line;
+          _mm512_storeu_si512(words + p * QPANEL, _mm512_permutex2var_epi32(rows0, even, rows8));
+          _mm512_storeu_si512(words + (p + 1) * QPANEL, _mm512_permutex2var_epi32(rows0, odd, rows8));
+        }
       }
 #else
-      for (int64_t ch = 0; ch < Q4CHUNKS; ++ch)
-        for (int64_t i = 0; i < Q4TILE; ++i) {
-          const uint8_t* chunk = real ? w.at(t, g) + 32 * ch : nullptr;
-          words[ch * QPANEL + i] = real ? pair_word(chunk_code(chunk, i, 0), chunk_code(chunk, i, 1)) : 0;
-          words[(Q4CHUNKS + ch) * QPANEL + i] = real ? pair_word(chunk_code(chunk, i, 2), chunk_code(chunk, i, 3)) : 0;
-        }
+      for (int64_t p = 0; p < QPAIRS; ++p)
+        for (int64_t i = 0; i < Q4TILE; ++i)
+          words[p * QPANEL + i] =
+              real ? pair_word(tile_code(w.at(t, g), i, 2 * p), tile_code(w.at(t, g), i, 2 * p + 1)) : 0;
 #endif
     }
   }

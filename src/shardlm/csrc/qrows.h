@@ -32,9 +32,32 @@ struct QuantRows {
   std::vector<int16_t> codes;
   std::vector<float> scales;
   std::vector<float> sums;  // (b, kp / 32): scale * the block's sum of codes (the int4 zero-point term)
+  // (b, kp) each code's high byte (code >> 8, signed) and low byte (code & 255): the int4 tiles' byte dot products
+  // (q4tiles.h) take a code as 256 * high + low. Filled by split_bytes, only for int4 weights.
+  std::vector<int8_t> high;
+  std::vector<uint8_t> low;
   int64_t kp = 0, blocks = 0;
   bool interleaved = false;  // codes in qexact.h's interleaved order (for an exact weight whose codes are)
 };
+
+// x's codes as their two bytes (QuantRows::high and low), for the int4 tiles.
+inline void split_bytes(QuantRows& x) {
+  const size_t n = x.codes.size();
+  x.high.resize(n);
+  x.low.resize(n);
+  size_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (; i + 32 <= n; i += 32) {  // vpmovwb keeps each int16's low byte
+    const __m512i v = _mm512_loadu_si512(x.codes.data() + i);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.high.data() + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.low.data() + i), _mm512_cvtepi16_epi8(v));
+  }
+#endif
+  for (; i < n; ++i) {
+    x.high[i] = static_cast<int8_t>(x.codes[i] >> 8);
+    x.low[i] = static_cast<uint8_t>(x.codes[i] & 255);
+  }
+}
 
 constexpr int64_t IGROUP_BLOCKS = 16;              // blocks an interleaved group holds (qexact.h)
 constexpr int64_t IGROUP = IGROUP_BLOCKS * QBLOCK;  // its columns: 512
