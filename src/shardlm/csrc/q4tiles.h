@@ -16,8 +16,8 @@
 // 32-byte chunks widened to int16 took a widening, a mask and a shift a chunk and two int16 dot products per 64
 // codes, where a line takes a mask, a shift and a mask and four byte dot products per 128 (the activation codes'
 // two bytes are split once a call, split_bytes). The bundled model's int4 products at batch 1 took 0.89x the time
-// from the caches and the same from memory at 30 GB/s (bench/products_vs_commit.py --format int4, RESULTS.md stop
-// 58). Without VNNI, vpmaddubsw (byte pairs summed to int16), two of them added (at most 4 * 15 * 255: no
+// from the caches and level to 2 % slower from memory at 31 GB/s (bench/products_vs_commit.py --format int4,
+// RESULTS.md stop 58). Without VNNI, vpmaddubsw (byte pairs summed to int16), two of them added (at most 4 * 15 * 255: no
 // saturation) and vpmaddwd by ones give the same lanes. (Before these tiles, a row's groups lay in turn, every
 // (row, group) pair needed its own scale arithmetic and a horizontal sum, and decode ran at a fifth of the memory
 // floor; here a group of 16 rows takes its scales and zeros for 16 rows at once, with no horizontal sums.)
