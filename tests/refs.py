@@ -132,18 +132,22 @@ def blocks_of_32(x: torch.Tensor) -> torch.Tensor:
     return (codes * (amax / 32767)).view(b, kp)[:, :k]  # (b, k)
 
 
+def block_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks (b, blocks, 32) of float32 quantized as quantize_rows does: (codes (b, blocks, 32) int64, d (b, blocks)
+    float32), d = max|x| / 32767 and codes round(x * (32767 / max|x|)) in float32, ties to even."""
+    amax = blocks.abs().amax(-1)  # (b, blocks)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))  # one rounding
+    # (a Python number over a tensor is the tensor's reciprocal times the number: two roundings)
+    return torch.round(blocks * inv[..., None]).to(torch.int64), amax / 32767
+
+
 def int8_exact_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """qrows.h's `exact` arithmetic, emulated: x (b, k) quantized per block of 32 as quantize_rows does (d = max|x| /
     32767, codes round(x * (32767 / max|x|)) in float32, ties to even), each block's integer sum of codes times
     weight codes, times d in float32, the terms added in float64, times the row's scale; (b, n) float32."""
     b, k = x.shape
     kp = q.shape[1]
-    blocks = F.pad(x, (0, kp - k)).view(b, kp // 32, 32)  # (b, blocks, 32)
-    amax = blocks.abs().amax(-1)  # (b, blocks)
-    d = amax / 32767
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))  # one rounding
-    # (a Python number over a tensor is the tensor's reciprocal times the number: two roundings)
-    codes = torch.round(blocks * inv[..., None]).to(torch.int64)  # (b, blocks, 32)
+    codes, d = block_codes(F.pad(x, (0, kp - k)).view(b, kp // 32, 32))  # (b, blocks, 32), (b, blocks)
     wq = q.to(torch.int64).view(q.shape[0], kp // 32, 32)  # (n, blocks, 32)
     isum = torch.einsum("jbc,rbc->jrb", codes, wq)  # (b, n, blocks), exact integers
     terms = (isum.float() * d[:, None, :]).double()  # float32 products, then float64
@@ -160,10 +164,7 @@ def int4_exact_reference(x: torch.Tensor, qw) -> torch.Tensor:
     n, kp = codes_w.shape
     b = x.shape[0]
     padded = F.pad(x, (qw.pad_left, kp - qw.pad_left - x.shape[1])).view(b, kp // 32, 32)  # (b, groups, 32)
-    amax = padded.abs().amax(-1)  # (b, groups)
-    d = amax / 32767
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))
-    codes = torch.round(padded * inv[..., None]).to(torch.int64)  # (b, groups, 32)
+    codes, d = block_codes(padded)  # (b, groups, 32), (b, groups)
     xsum = d * codes.sum(-1).float()  # (b, groups) float32
     isum = torch.einsum("jgc,rgc->jrg", codes, codes_w.to(torch.int64).view(n, kp // 32, 32))  # (b, n, groups)
     f = scale[None] * d[:, None, :]  # (b, n, groups) float32
@@ -182,11 +183,7 @@ def int8_float_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
     b, k = x.shape
     n, kp = q.shape
     nb = kp // 32
-    blocks = F.pad(x, (0, kp - k)).view(b, nb, 32)  # (b, blocks, 32)
-    amax = blocks.abs().amax(-1)  # (b, blocks)
-    d = amax / 32767
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767).div(amax), torch.zeros_like(amax))
-    codes = torch.round(blocks * inv[..., None]).to(torch.int64)
+    codes, d = block_codes(F.pad(x, (0, kp - k)).view(b, nb, 32))  # (b, blocks, 32), (b, blocks)
     prod = torch.einsum("jbc,rbc->jrbc", codes, q.to(torch.int64).view(n, nb, 32))  # (b, n, blocks, 32)
     if units.startswith("avx512"):
         lanes, chains = prod.view(b, n, nb, 16, 2).sum(-1), 2  # (b, n, blocks, 16)
