@@ -10,12 +10,15 @@ within minutes, which separate processes, as in bench/step_vs_commit.py, only av
 earlier commit is checked out as a git worktree (/tmp/shardlm-COMMIT, as bench/decode_vs_commit.py does) and its
 kernels built by a child process with that tree on PYTHONPATH; this process then loads both builds (each build is
 its own module). int4 weights are packed by each tree's own shardlm/quant.py (their layouts may differ), from the
-same float weights. Prints the median and best ms of a pass over the 30 layers per build and their ratio.
+same float weights; int8 ones are shared, their codes paired for a tree whose quant.py pairs them (csrc/qpairs.h) as
+a rank holds them (the float-summed products; `--exact`: interleaved in both). Prints the median and best ms of a
+pass over the 30 layers per build and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.machinery
 import importlib.util
 import os
@@ -71,10 +74,20 @@ def layer_weights(g: torch.Generator, fmt: str, quants: list) -> list:
         w = torch.randn(n, k, generator=g) * 0.02
         if fmt == "int4":
             out.append((k, [q.quantize_int4(w) for q in quants]))
+        elif fmt == "int8":
+            one = quantize_int8(w)
+            out.append((k, [paired_copy(one) if hasattr(q, "pair_columns") else one for q in quants]))
         else:
             one = quantize_int8(w) if fmt == "int8" else w.to(getattr(torch, fmt))
             out.append((k, [one] * len(quants)))
     return out
+
+
+def paired_copy(w):
+    """An int8 weight's copy with its codes in the paired order (this tree's shardlm.quant)."""
+    from shardlm.quant import pair_columns
+
+    return dataclasses.replace(w, q=pair_columns(w.q), paired=True)
 
 
 def one_pass(ext, layers: list, xs: dict, fmt: str, exact: bool = False, build: int = 0) -> float:
@@ -89,6 +102,8 @@ def one_pass(ext, layers: list, xs: dict, fmt: str, exact: bool = False, build: 
                 ext.gemm_int4(xs[k], *w.kernel_args(), exact, False)
             elif fmt == "int8" and exact:
                 ext.gemv_int8(xs[k], w.q, w.scale, True, False, True)
+            elif fmt == "int8" and getattr(w, "paired", False):
+                ext.gemv_int8(xs[k], w.q, w.scale, paired=True)
             elif fmt == "int8":
                 ext.gemv_int8(xs[k], w.q, w.scale)
             else:
@@ -110,15 +125,15 @@ def main() -> None:
     args = ap.parse_args()
     trees = {"this tree": ROOT, args.commit: worktree(args.commit)}
     builds = {name: built_kernels(tree) for name, tree in trees.items()}
-    quants = [tree_quant(tree) for tree in trees.values()] if args.format == "int4" else [None, None]
+    quants = [tree_quant(tree) for tree in trees.values()] if args.format in ("int4", "int8") else [None, None]
     g = torch.Generator().manual_seed(0)
     layers = [layer_weights(g, args.format, quants) for _ in range(1 if args.caches else LAYERS)]
     if args.exact and args.format == "int8":
         from shardlm.quant import interleave_columns
 
-        for layer in layers:
-            for _, (w, _) in layer:
-                w.q, w.interleaved = interleave_columns(w.q), True
+        for i, layer in enumerate(layers):
+            layers[i] = [(k, [dataclasses.replace(ws[-1], q=interleave_columns(ws[-1].q), interleaved=True)] * 2)
+                         for k, ws in layer]
     layers = layers * (LAYERS // len(layers))
     where = "one layer's weights 30 times (caches)" if args.caches else "30 layers (memory)"
     print(f"{torch.get_num_threads()} threads; {args.format}{', exact sums' if args.exact else ''}; {where}; "

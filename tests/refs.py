@@ -141,6 +141,25 @@ def block_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(blocks * inv[..., None]).to(torch.int64), amax / 32767
 
 
+def int8_weight(n: int, k: int, seed: int):
+    """An Int8Weight of a random (n, k) float weight, from its own generator seeded `seed`."""
+    from shardlm.quant import quantize_int8
+
+    return quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+
+
+def assert_same_products(moved, plain, ext) -> None:
+    """Two int8 weights of 600 input columns, one with its codes reordered (interleaved or paired), give the same
+    matmul_t through the kernels (decode rows, and the panels for a prefill of two prompts of 100) and without them
+    (torch's int8 kernel on natural codes), bit for bit."""
+    g = torch.Generator().manual_seed(8)
+    inputs = (torch.randn(1, 600, generator=g), torch.randn(3, 600, generator=g), torch.randn(2, 100, 600, generator=g))
+    for x in inputs:
+        for gemv in (ext, None):
+            plain.gemv = moved.gemv = gemv
+            assert torch.equal(moved.matmul_t(x), plain.matmul_t(x)), (x.shape, gemv)
+
+
 def int8_exact_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """qrows.h's `exact` arithmetic, emulated: x (b, k) quantized per block of 32 as quantize_rows does (d = max|x| /
     32767, codes round(x * (32767 / max|x|)) in float32, ties to even), each block's integer sum of codes times
@@ -176,23 +195,26 @@ def int4_exact_reference(x: torch.Tensor, qw) -> torch.Tensor:
 
 def int8_float_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, units: str) -> torch.Tensor:
     """qrows.h's float-lane int8 arithmetic (weights no rank splits), emulated: x quantized as quantize_rows does;
-    per pair and block, int32 lane sums (AVX-512: 16 lanes, lane l columns 2l and 2l + 1; AVX2: 8 lanes, lane l
-    columns 2l, 2l + 1, 16 + 2l, 17 + 2l), fused with the block's scale into float32 chains (AVX-512: even blocks
-    in chain 0, odd in chain 1, the chains added at the end; AVX2: one chain), the lanes added in order from zero,
-    times the row's scale; (b, n) float32. The fused multiply-add is emulated in float64 (the product is exact)."""
+    per pair and block, eight int32 lane sums (lane l: columns 2l, 2l + 1, 16 + 2l, 17 + 2l); AVX2: each block's lanes
+    fused with its scale into one float32 chain; AVX-512 (csrc/qpairs.h): blocks 2c and 2c + 1 side by side as chunk
+    c's sixteen lanes (an odd last block beside a zero block of scale 0), fused with their scales into chain c % 2, the
+    two chains added at the end. Then the lanes added in order from zero, times the row's scale; (b, n) float32. The
+    fused multiply-add is emulated in float64 (the product is exact)."""
     b, k = x.shape
     n, kp = q.shape
     nb = kp // 32
     codes, d = block_codes(F.pad(x, (0, kp - k)).view(b, nb, 32))  # (b, blocks, 32), (b, blocks)
     prod = torch.einsum("jbc,rbc->jrbc", codes, q.to(torch.int64).view(n, nb, 32))  # (b, n, blocks, 32)
+    lanes = prod.view(b, n, nb, 2, 8, 2).sum((-3, -1))  # (b, n, blocks, 8): the column quads
+    scales = d[:, None, :, None].expand(b, 1, nb, 8)  # (b, 1, blocks, 8)
+    chains = 1
     if units.startswith("avx512"):
-        lanes, chains = prod.view(b, n, nb, 16, 2).sum(-1), 2  # (b, n, blocks, 16)
-    else:
-        lanes, chains = prod.view(b, n, nb, 2, 8, 2).sum((-3, -1)), 1  # (b, n, blocks, 8)
+        lanes, scales = F.pad(lanes, (0, 0, 0, nb % 2)), F.pad(scales, (0, 0, 0, nb % 2))  # an even count of blocks
+        lanes, scales = lanes.reshape(b, n, -1, 16), scales.reshape(b, 1, -1, 16)  # (b, n, chunks, 16)
+        chains = 2
     acc = [torch.zeros(b, n, lanes.shape[-1]) for _ in range(chains)]
-    for blk in range(nb):
-        c = blk % chains
-        acc[c] = (lanes[:, :, blk].double() * d[:, None, blk, None].double() + acc[c].double()).float()
+    for c in range(lanes.shape[2]):
+        acc[c % chains] = (lanes[:, :, c].double() * scales[:, :, c].double() + acc[c % chains].double()).float()
     total = acc[0] + acc[1] if chains == 2 else acc[0]
     s = torch.zeros(b, n)
     for lane in range(total.shape[-1]):

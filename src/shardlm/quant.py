@@ -10,7 +10,9 @@ Prefill (csrc/qpanel.h, `kernels.linear.prefill_rows`): the input rows are quant
 numbers bit for bit, int8's o and down projections decode's but for double sums in another order (about 2^-29 a
 value). The o and down projections (`exact`) sum in double (one term a block of 32 columns) so that
 tensor-parallel partial sums add up to the one-rank result bit for bit; a CPU rank holds their codes interleaved
-(`Int8Weight.interleave`, csrc/qexact.h), the order in which those sums need no horizontal reduction.
+(`Int8Weight.interleave`, csrc/qexact.h), the order in which those sums need no horizontal reduction, and the
+others' codes paired (`Int8Weight.pair`, csrc/qpairs.h), a pair of blocks' halves side by side, the order in which
+a 512-bit build sums two blocks with one multiply-add. Neither order changes a number.
 Without the compiled kernels, int8 goes through PyTorch's `aten._weight_int8pack_mm` (bfloat16 activations) and
 int4 is dequantized per product. On CUDA, PyTorch's `_weight_int8pack_mm` and the tinygemm int4 kernel
 `aten._weight_int4pack_mm` (sm80 and later), the ones torchao's weight-only layouts dispatch to. We call them
@@ -74,6 +76,8 @@ class Int8Weight:
     any tp): our kernel sums its rows in double, so that split sums add up to the whole bit for bit."""
     interleaved: bool = False
     """`q` in the exact kernels' interleaved order (csrc/qexact.h; `interleave`), where the rank builder put it."""
+    paired: bool = False
+    """`q` in the float-summed kernels' paired order (csrc/qpairs.h; `pair`), where the rank builder put it."""
     wide_sums = True
     """`matmul_t(x, wide=True)` can return float64 partial sums (see RowParallelLinear)."""
 
@@ -81,7 +85,7 @@ class Int8Weight:
         """x (..., in) -> (..., out) = x @ (q * scale)^T; `wide`: float64 when our kernel runs (else x's dtype)."""
         if self.gemv is not None and not x.is_cuda:
             kernel = self.gemv.prefill_int8 if prefill_rows(x) else self.gemv.gemv_int8
-            return kernel(x, self.q, self.scale, self.exact, wide, self.interleaved)  # (..., out)
+            return kernel(x, self.q, self.scale, self.exact, wide, self.interleaved, self.paired)  # (..., out)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)  # (rows, in)
         if self.pad:
@@ -95,9 +99,26 @@ class Int8Weight:
             raise ValueError("only an exact int8 weight on the CPU, not yet interleaved, can be interleaved")
         self.q, self.interleaved = interleave_columns(self.q), True
 
+    def pair(self) -> None:
+        """Put the codes of a CPU weight summed in float lanes (not `exact`) in the paired order its kernel reads
+        fastest (in place)."""
+        if self.paired or self.interleaved or self.q.is_cuda or self.exact:
+            raise ValueError("only an int8 weight on the CPU summed in float lanes (not exact), not yet paired, can "
+                             "be paired")
+        self.q, self.paired = pair_columns(self.q), True
+
     def natural_q(self) -> torch.Tensor:
         """The codes (out, in + pad) in their natural column order."""
-        return interleave_columns(self.q) if self.interleaved else self.q
+        return self.natural_rows(slice(None))
+
+    def natural_rows(self, index) -> torch.Tensor:
+        """Rows `index` of the codes (an index tensor or a slice), in their natural column order."""
+        rows = self.q[index]
+        if self.interleaved:
+            return interleave_columns(rows.reshape(-1, rows.shape[-1])).view(rows.shape)
+        if self.paired:
+            return pair_columns(rows.reshape(-1, rows.shape[-1])).view(rows.shape)
+        return rows
 
     @property
     def in_features(self) -> int:
@@ -117,9 +138,10 @@ class Int4Weight:
     CPU (csrc/q4tiles.h, any number of rows): rows in tiles of 16 (the last padded with zero rows), each
     tile's codes group by group: `packed` (tiles, groups, 256) uint8, where line m (64 bytes) of a group holds
     row i's columns 4m + b (b = 0..3) in the low nibbles of its bytes 4i + b and columns 16 + 4m + b in their
-    high nibbles; `scales_zeros` (tiles, groups, 32), the tile's 16 scales then its 16 zeros. CUDA (torch's tinygemm kernel): `packed` in its tiled layout over a multiple
-    of 16 rows, `scales_zeros` (groups, rows, 2). `pad_left`/`pad_right` zero columns were added so the local
-    columns fall on whole groups; `out` real rows are kept.
+    high nibbles; `scales_zeros` (tiles, groups, 32), the tile's 16 scales then its 16 zeros. CUDA (torch's tinygemm
+    kernel): `packed` in its tiled layout over a multiple of 16 rows, `scales_zeros` (groups, rows, 2).
+    `pad_left`/`pad_right` zero columns were added so the local columns fall on whole groups; `out` real rows are
+    kept.
     """
 
     packed: torch.Tensor
@@ -220,6 +242,16 @@ def interleave_columns(q: torch.Tensor) -> torch.Tensor:
         group = q[:, 32 * first:32 * (first + m)].reshape(out, m, m, 32 // m)  # (out, block l, chunk t, 2 * 16 / m)
         parts.append(group.transpose(1, 2).reshape(out, 32 * m))  # (out, chunk t, block l, ...) -> (out, 32 m)
     return torch.cat(parts, dim=1).contiguous() if parts else q.clone()  # (out, kp)
+
+
+def pair_columns(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes (out, kp), kp a multiple of 32, in csrc/qpairs.h's paired order: in each whole pair of blocks (64
+    columns from column 0) the 16-column halves [A 0-15, A 16-31, B 0-15, B 16-31] become [A 0-15, B 0-15, A 16-31,
+    B 16-31]; an odd last block stays. The exchange is its own inverse, so this also turns them back."""
+    out, kp = q.shape
+    whole = kp // 64 * 64
+    pairs = q[:, :whole].reshape(out, whole // 64, 2, 2, 16)  # (out, pair, block, half, 16)
+    return torch.cat([pairs.transpose(2, 3).reshape(out, whole), q[:, whole:]], dim=1).contiguous()  # (out, kp)
 
 
 def int8_codes(w: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,11 +433,11 @@ class Int8Embedding(nn.Module):
         """ids (b, s) -> (b, s, dim) in `dtype`."""
         kw = self.kernel_weight
         if self.ctx is None and self.start == 0:  # the whole vocabulary here: the same rows, fewer ops a step
-            codes = kw.natural_q()[ids][..., :kw.in_features]  # (b, s, dim) int8
+            codes = kw.natural_rows(ids)[..., :kw.in_features]  # (b, s, dim) int8
             return (codes.float() * kw.scale[ids].float().unsqueeze(-1)).to(self.dtype)  # (b, s, dim)
         mine = (ids >= self.start) & (ids < self.stop)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
-        codes = kw.natural_q()[local][..., :kw.in_features]  # (b, s, dim) int8
+        codes = kw.natural_rows(local)[..., :kw.in_features]  # (b, s, dim) int8
         out = (codes.float() * kw.scale[local].float().unsqueeze(-1)).to(self.dtype)  # (b, s, dim)
         if self.ctx is None:
             return out

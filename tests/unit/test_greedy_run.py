@@ -82,6 +82,8 @@ def test_compiled_runs_equal_python_steps_on_the_bundled_model(fmt, bundled_dir)
     greedy = [SamplingParams()] * 3
     compiled = _run(rank, True, greedy, repeat=8)
     assert compiled[2].calls == 3 and compiled[2].greedy.gm.cos_table is not None
+    if fmt == "int8":  # the tied head and embedding in the paired order (csrc/qpairs.h), read as natural codes
+        assert compiled[2].greedy.gm.head_paired and compiled[2].greedy.gm.embed_paired
     _assert_same(compiled, _run(rank, False, greedy, repeat=8))
 
 

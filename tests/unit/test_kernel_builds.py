@@ -138,14 +138,23 @@ def test_an_older_build_names_its_units_and_gives_the_native_int4_numbers(arch, 
 
 
 def _int8_float_lanes(ext, units: str, g: torch.Generator) -> None:
-    """An older build's int8 float lanes: a row the same alone or in a batch, and on AVX2 the documented arithmetic
-    (refs.int8_float_reference: one chain of eight lanes a pair) bit for bit; 7 blocks, rows in tiles of 8, 4 and 1."""
+    """An older build's int8 float lanes: a row the same alone or in a batch, with vector units the documented
+    arithmetic (refs.int8_float_reference: AVX2 one chain of eight lanes a pair, AVX-512 without VNNI two chains of a
+    pair of blocks each) bit for bit, and the same numbers from paired codes (csrc/qpairs.h: each block's halves 32
+    bytes apart on AVX2, the scalar build's positions), decode and prefill; 7 blocks (3 pairs and an odd one), rows
+    in tiles of 8, 4 and 1."""
+    from shardlm.quant import pair_columns
+
     q8, x8 = quantize_int8(torch.randn(37, 200, generator=g)), torch.randn(5, 200, generator=g)
     alone = torch.cat([ext.gemv_int8(x8[j:j + 1], q8.q, q8.scale) for j in range(5)])
     for rows in (2, 3, 5):
         assert torch.equal(ext.gemv_int8(x8[:rows], q8.q, q8.scale), alone[:rows]), rows
-    if units == "avx2":
+    if units != "scalar":
         assert torch.equal(alone, int8_float_reference(x8, q8.q, q8.scale, units))
+    moved = pair_columns(q8.q)
+    for rows in (1, 2, 5):
+        assert torch.equal(ext.gemv_int8(x8[:rows], moved, q8.scale, paired=True), alone[:rows]), rows
+    assert torch.equal(ext.prefill_int8(x8, moved, q8.scale, paired=True), ext.prefill_int8(x8, q8.q, q8.scale))
 
 
 def _decode_inputs(dt, g):

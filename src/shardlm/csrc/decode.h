@@ -133,14 +133,16 @@ inline Int4Tiles int4_tiles(const torch::Tensor& codes, const torch::Tensor& sz,
 
 // A linear weight as the fused kernels take it: codes (n, k) in the model's dtype; int8 codes (n, kp) whose rows
 // are padded with zero columns to kp = k rounded up to QBLOCK, with a float32 scale per row (`interleaved`: in
-// qexact.h's interleaved order, an exact weight's); or an int4 weight of `rows` rows in row tiles (int4_tiles),
-// whose k input columns start at column pad_left of kp (a row-parallel slice that starts inside a group).
+// qexact.h's interleaved order, an exact weight's; `paired`: in qpairs.h's paired order, one summed in float lanes);
+// or an int4 weight of `rows` rows in row tiles (int4_tiles), whose k input columns start at column pad_left of kp
+// (a row-parallel slice that starts inside a group).
 struct Linear {
   torch::Tensor w;
   torch::Tensor scale;  // undefined for a float weight; (n,) float32 for int8; (tiles, groups, 32) bfloat16 for int4
   int64_t pad_left = 0;
   int64_t rows = 0;  // int4: the weight's real rows (its tiles hold a multiple of 16)
   bool interleaved = false;
+  bool paired = false;
 
   bool quantized() const { return scale.defined(); }
   bool int4() const { return quantized() && w.scalar_type() == torch::kByte; }
@@ -152,7 +154,7 @@ struct Linear {
 };
 
 // The weight `i` of `ws`, with its scales and left padding when `scales` are given (int8 or int4 weights). For an
-// int8 weight, pads[i] (when given) is (0, 1) where its codes are interleaved and (0, 0) where they are not.
+// int8 weight, pads[i] (when given) is (0, order): 0 natural codes, 1 interleaved, 2 paired (kernels/fused.py).
 inline Linear linear_of(const std::vector<torch::Tensor>& ws, const std::optional<std::vector<torch::Tensor>>& scales,
                         const std::optional<std::vector<std::pair<int64_t, int64_t>>>& pads, size_t i) {
   TORCH_CHECK(!scales.has_value() || scales->size() == ws.size(), "fused decode: ", ws.size(), " weights but ",
@@ -165,7 +167,11 @@ inline Linear linear_of(const std::vector<torch::Tensor>& ws, const std::optiona
   const bool convert = ws[i].scalar_type() == torch::kChar && (s.scalar_type() != torch::kFloat || !s.is_contiguous());
   const auto scale = convert ? s.to(torch::kFloat).contiguous() : s;
   const auto [pad_left, second] = pads.has_value() ? (*pads)[i] : std::pair<int64_t, int64_t>{0, 0};
-  if (ws[i].scalar_type() == torch::kChar) return {ws[i], scale, pad_left, 0, second != 0};
+  if (ws[i].scalar_type() == torch::kChar) {
+    TORCH_CHECK(second >= 0 && second <= 2, "fused decode: int8 weight ", i, " has code order ", second,
+                ", expected 0 (natural), 1 (interleaved) or 2 (paired)");
+    return {ws[i], scale, pad_left, 0, second == 1, second == 2};
+  }
   return {ws[i], scale, pad_left, second};
 }
 
@@ -195,11 +201,17 @@ inline void quantize_padded(const float* x, int64_t b, int64_t k, int64_t pad_le
   quantize_range(x, 0, b, k, pad_left, out);
 }
 
-// x (b, k) quantized for the quantized weight l: placed at its columns and, where its codes are, interleaved.
-inline void quantize_for(const Linear& l, const float* x, int64_t b, int64_t k, QuantRows& out) {
+// x (b, k) quantized for the quantized weight l, whose sums are `exact` or in float lanes: placed at its columns and
+// in the order those sums read (int4: with the codes' bytes split; int8: interleaved where its codes are, paired for
+// float lanes on a 512-bit build, qpairs.h).
+inline void quantize_for(const Linear& l, const float* x, int64_t b, int64_t k, bool exact, QuantRows& out) {
   quantize_padded(x, b, k, l.pad_left, l.padded_width(), out);
-  if (l.interleaved) interleave_rows(out, b);
-  if (l.int4()) split_bytes(out);
+  if (l.int4())
+    split_bytes(out);
+  else if (l.interleaved)
+    interleave_rows(out, b);
+  else if (!exact)
+    ready_for_float_rows(out, b);
 }
 
 // Units [lo, hi) of a quantized weight (int4: tiles of 16 rows; int8: rows) against xq into y (b, n) as T.
@@ -209,7 +221,7 @@ inline void quantized_units(const Linear& l, const QuantRows& xq, T* y, int64_t 
   if (l.int4())
     q4rows_tiled<T>(l.tiles(), xq, y, b, lo, hi, exact);
   else
-    qrows<T>(data<int8_t>(l.w), xq.kp, data<float>(l.scale), xq, y, l.w.size(0), b, lo, hi, exact);
+    qrows<T>(data<int8_t>(l.w), xq.kp, data<float>(l.scale), xq, y, l.w.size(0), b, lo, hi, exact, l.paired);
 }
 
 // Weights read as one range of units (each weight's size(0): int8 or float rows, int4 tiles): for the part of
@@ -233,11 +245,13 @@ inline void project_quantized(const std::vector<std::pair<const Linear*, T*>>& o
   const Linear& first = *o[0].first;
   for (auto [l, y] : o)
     TORCH_CHECK(l->quantized() && l->int4() == first.int4() && l->pad_left == first.pad_left &&
-                    l->padded_width() == first.padded_width() && l->interleaved == first.interleaved,
+                    l->padded_width() == first.padded_width() && l->interleaved == first.interleaved &&
+                    l->paired == first.paired,
                 "fused decode: weights read together differ in form");
   TORCH_CHECK(exact || !first.interleaved, "fused decode: interleaved int8 codes are summed exact only");
+  TORCH_CHECK(!exact || !first.paired, "fused decode: paired int8 codes are summed in float lanes only");
   QuantRows xq;
-  quantize_for(first, x, b, k, xq);
+  quantize_for(first, x, b, k, exact, xq);
   int64_t total = 0;
   for (auto [l, y] : o) total += l->w.size(0);
   at::parallel_for(0, total, first.int4() ? 1 : 16, [&](int64_t lo, int64_t hi) {

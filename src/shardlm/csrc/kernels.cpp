@@ -72,15 +72,20 @@ inline void check_int8(const torch::Tensor& q, const torch::Tensor& scale, int64
 // summed in double and returned as float64 (a row-parallel rank's partial sums, all-reduced in float64);
 // otherwise returned in x's dtype.
 torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide,
-                        bool interleaved) {
+                        bool interleaved, bool paired) {
   check_int8(q, scale, x_in.size(-1), "gemv_int8");
   TORCH_CHECK(!interleaved || exact || wide, "gemv_int8: interleaved codes are summed exact only; pass exact=True");
+  TORCH_CHECK(!paired || !(exact || wide || interleaved), "gemv_int8: paired codes are summed in float lanes only; "
+              "pass exact=False, wide=False, interleaved=False");
   const int64_t n = q.size(0), k = x_in.size(-1), kq = q.size(1);
   const auto x = float_rows(x_in), scale32 = scale.to(torch::kFloat).contiguous();
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
   shardlm::quantize_rows(x.data_ptr<float>(), b, k, kq, xq);
-  if (interleaved) shardlm::interleave_rows(xq, b);
+  if (interleaved)
+    shardlm::interleave_rows(xq, b);
+  else if (!exact && !wide)
+    shardlm::ready_for_float_rows(xq, b);
   const int8_t* w = q.data_ptr<int8_t>();
   const float* s = scale32.data_ptr<float>();
   const auto lead = out_shape(x_in, n);
@@ -92,7 +97,9 @@ torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale
   }
   auto y = torch::empty({b, n}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { shardlm::qrows<float>(w, kq, s, xq, yp, n, b, lo, hi, exact); });
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+    shardlm::qrows<float>(w, kq, s, xq, yp, n, b, lo, hi, exact, paired);
+  });
   return y.view(lead).to(x_in.scalar_type());
 }
 
@@ -146,7 +153,7 @@ torch::Tensor panel_product(const torch::Tensor& x_in, int64_t kp, int64_t n, co
 template <bool Q4>
 torch::Tensor integer_panels(const torch::Tensor& x_in, int64_t pad_left, int64_t kp, int64_t n, const int8_t* w8,
                              const float* s8, const shardlm::Int4Tiles* w4, bool exact, bool wide,
-                             bool interleaved = false) {
+                             bool interleaved = false, bool paired = false) {
   const auto x = float_rows(x_in);
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
@@ -154,11 +161,11 @@ torch::Tensor integer_panels(const torch::Tensor& x_in, int64_t pad_left, int64_
   const auto lead = out_shape(x_in, n);
   if (wide) {
     auto y = torch::empty({b, n}, x.options().dtype(torch::kDouble));
-    shardlm::qpanel_gemm<double, Q4>(w8, s8, w4, n, xq, b, true, y.data_ptr<double>(), interleaved);
+    shardlm::qpanel_gemm<double, Q4>(w8, s8, w4, n, xq, b, true, y.data_ptr<double>(), interleaved, paired);
     return y.view(lead);
   }
   auto y = torch::empty({b, n}, x.options());
-  shardlm::qpanel_gemm<float, Q4>(w8, s8, w4, n, xq, b, exact, y.data_ptr<float>(), interleaved);
+  shardlm::qpanel_gemm<float, Q4>(w8, s8, w4, n, xq, b, exact, y.data_ptr<float>(), interleaved, paired);
   return y.view(lead).to(x_in.scalar_type());
 }
 
@@ -173,14 +180,26 @@ torch::Tensor interleave_int8(torch::Tensor q) {
   return out;
 }
 
+// A copy of int8 codes (n, kp), kp a multiple of 32, in qpairs.h's paired order (or back from it: the same
+// exchange), for the float-summed kernels.
+torch::Tensor pair_int8(torch::Tensor q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.size(1) % shardlm::QBLOCK == 0,
+              "pair_int8: int8 codes (n, kp) with kp a multiple of 32 expected, got ", q.sizes(), " ", q.scalar_type());
+  auto out = q.contiguous().clone();
+  shardlm::pair_codes(out.data_ptr<int8_t>(), out.size(0), out.size(1));
+  return out;
+}
+
 // Prefill with an int8 weight: the arguments of gemv_int8, through the integer panels.
 torch::Tensor prefill_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide,
-                           bool interleaved) {
+                           bool interleaved, bool paired) {
   check_int8(q, scale, x_in.size(-1), "prefill_int8");
   TORCH_CHECK(!interleaved || exact || wide, "prefill_int8: interleaved codes are summed exact only; pass exact=True");
+  TORCH_CHECK(!paired || !(exact || wide || interleaved), "prefill_int8: paired codes are summed in float lanes only; "
+              "pass exact=False, wide=False, interleaved=False");
   const auto scale32 = scale.to(torch::kFloat).contiguous();
   return integer_panels<false>(x_in, 0, q.size(1), q.size(0), q.data_ptr<int8_t>(), scale32.data_ptr<float>(), nullptr,
-                               exact, wide, interleaved);
+                               exact, wide, interleaved, paired);
 }
 
 // Prefill with an int4 weight: the arguments of gemm_int4, through the integer panels (gemm_int4's arithmetic per
@@ -257,13 +276,16 @@ struct GreedyModel {
   std::optional<torch::Tensor> head4_codes, head4_sz;                 // or int4 head (pad_left, rows)
   int64_t head4_pad_left = 0, head4_rows = 0;
   bool head_exact = false;
+  bool embed_paired = false, head_paired = false;  // int8 codes in qpairs.h's paired order
 };
 
 // tokens (b,) -> (b, dim) in the model's dtype, as Int8Embedding / nn.Embedding compute them.
 static torch::Tensor greedy_embed(const GreedyModel& m, const torch::Tensor& tokens) {
   const auto dtype = m.like.scalar_type();
   if (m.embed_q.has_value()) {
-    const auto codes = m.embed_q->index_select(0, tokens).narrow(1, 0, m.embed_width).to(torch::kFloat);
+    auto rows = m.embed_q->index_select(0, tokens);  // (b, kp), a copy
+    if (m.embed_paired) shardlm::pair_codes(rows.data_ptr<int8_t>(), rows.size(0), rows.size(1));  // back to natural
+    const auto codes = rows.narrow(1, 0, m.embed_width).to(torch::kFloat);
     return (codes * m.embed_scale->index_select(0, tokens).to(torch::kFloat).unsqueeze(-1)).to(dtype);
   }
   return m.embed_weight->index_select(0, tokens);
@@ -294,8 +316,8 @@ static torch::Tensor greedy_logits(const GreedyModel& m, const torch::Tensor& h)
   const auto x = h.view({h.size(0), 1, h.size(1)});  // (b, 1, dim), as the module path holds it
   const auto normed = at::rms_norm(x.to(torch::kFloat), {h.size(1)}, std::nullopt, m.norm_eps).to(x.scalar_type());
   const auto y = m.norm_weight * normed;
-  const auto logits = m.head_q.has_value() ? gemv_int8(y, *m.head_q, *m.head_scale, m.head_exact, false,
-                                                       false)  // the head's codes are natural (greedy_run.py)
+  const auto logits = m.head_q.has_value() ? gemv_int8(y, *m.head_q, *m.head_scale, m.head_exact, false, false,
+                                                       m.head_paired)  // natural or paired codes (greedy_run.py)
                       : m.head4_codes.has_value()
                           ? gemm_int4(y, *m.head4_codes, *m.head4_sz, m.head4_pad_left, m.head4_rows, m.head_exact, false)
                           : gemv(y, *m.head_weight);  // (b, 1, vocab)
@@ -367,7 +389,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("u"));
   m.def("gemv_int8", &gemv_int8, "matrix product with int8 weights and per-row scales (wide: float64 out)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false,
-        py::arg("interleaved") = false);
+        py::arg("interleaved") = false, py::arg("paired") = false);
   m.def("gemm_int4", &gemm_int4, "matrix product with int4 weights in groups of 32 (wide: float64 out)",
         py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
@@ -375,12 +397,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "else through panels)", py::arg("x"), py::arg("w"), py::arg("few_rows") = shardlm::FEW_ROWS);
   m.def("prefill_int8", &prefill_int8, "many-row product with int8 weights through integer panels",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("exact") = false, py::arg("wide") = false,
-        py::arg("interleaved") = false);
+        py::arg("interleaved") = false, py::arg("paired") = false);
   m.def("prefill_int4", &prefill_int4, "many-row product with int4 weights through integer panels",
         py::arg("x"), py::arg("codes"), py::arg("sz"), py::arg("pad_left"), py::arg("n"), py::arg("exact") = false,
         py::arg("wide") = false);
   m.def("interleave_int8", &interleave_int8, "an int8 weight's codes (n, kp) in qexact.h's interleaved order, or "
         "back (the same transpose)", py::arg("q"));
+  m.def("pair_int8", &pair_int8, "an int8 weight's codes (n, kp) in qpairs.h's paired order, or back (the same "
+        "exchange)", py::arg("q"));
   m.def("int8_units", &shardlm::int8_units, "the instructions the int8 dot products use on this build");
   m.def("bf16_dot", [] { return shardlm::BF16_DOT; }, "whether bfloat16 rows use avx512_bf16 dot products");
   m.def("prefill_attention", &shardlm::prefill_attention, "attention of every position of a prefill pass");
@@ -424,7 +448,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head4_sz", &GreedyModel::head4_sz)
       .def_readwrite("head4_pad_left", &GreedyModel::head4_pad_left)
       .def_readwrite("head4_rows", &GreedyModel::head4_rows)
-      .def_readwrite("head_exact", &GreedyModel::head_exact);
+      .def_readwrite("head_exact", &GreedyModel::head_exact)
+      .def_readwrite("embed_paired", &GreedyModel::embed_paired)
+      .def_readwrite("head_paired", &GreedyModel::head_paired);
   // without the GIL: a run lasts many tokens, and the rank's heartbeat thread must go on stamping meanwhile
   m.def("greedy_run", &greedy_run, "greedy decode tokens of a one-rank model, each as a Python step computes it",
         py::arg("stack"), py::arg("model"), py::arg("caches"), py::arg("tokens"), py::arg("rows"), py::arg("positions"),

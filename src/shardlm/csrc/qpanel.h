@@ -178,11 +178,12 @@ inline void qpanel_rows(const QuantRows& x, int64_t b, int64_t p0, int64_t p1, T
 }
 
 // y (b, n) = the quantized rows x against a weight of n rows, int8 (`w8` (n, x.kp) codes and `scale` one a row;
-// `interleaved`: codes in qexact.h's order, turned back as they are widened) or int4 (`w4`, row tiles): threads
-// split the panels, each widens a chunk of them at a time into its own buffers and runs every activation row over it.
+// `interleaved`: codes in qexact.h's order, `paired`: in qpairs.h's, turned back as they are widened) or int4 (`w4`,
+// row tiles): threads split the panels, each widens a chunk of them at a time into its own buffers and runs every
+// activation row over it.
 template <typename T, bool Q4>
 inline void qpanel_gemm(const int8_t* w8, const float* scale, const Int4Tiles* w4, int64_t n, const QuantRows& x,
-                        int64_t b, bool exact, T* y, bool interleaved = false) {
+                        int64_t b, bool exact, T* y, bool interleaved = false, bool paired = false) {
   if (b == 0) return;
   const int64_t kp = x.kp, panels = (n + QPANEL - 1) / QPANEL;
   const int64_t words = kp / 2 * QPANEL, floats = Q4 ? x.blocks * QPANEL : 0;
@@ -202,6 +203,7 @@ inline void qpanel_gemm(const int8_t* w8, const float* scale, const Int4Tiles* w
         else
           widen_qpanel(w8, kp, n, p * QPANEL, out);
         if (!Q4 && interleaved) deinterleave_panel(out, kp);
+        if (!Q4 && paired) pair_blocks(out, kp / 2, QPANEL);  // the exchange is its own inverse
       }
       const auto panel_at = [&](int64_t p) {
         const int64_t i = p - p0;

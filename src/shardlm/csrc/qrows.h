@@ -11,13 +11,17 @@
 // term is the same on every layout and every build (vector or scalar), and double sums in any order round to the same
 // float (but for a chance of about 2^-29 per value), so a row-parallel rank's partial sums, all-reduced in
 // double, give the one-rank result, and quantized tokens do not depend on the tensor-parallel degree. The others
-// keep float lane accumulators, one multiply-add a block (one rank always adds a whole row in the same order); on
-// 512-bit builds two accumulators a pair, even blocks in one and odd in the other, added at the end (qtile).
+// keep float lane accumulators (one rank always adds a whole row in the same order): on 256-bit builds one chain of
+// eight lanes, one multiply-add a block; on 512-bit builds two chains of sixteen, one multiply-add a pair of blocks
+// (qpairs.h), added at the end (qtile). Both hold the blocks' column quads, scaled in different orders, so the two
+// kinds of build round the float-summed products differently (each batch-invariant; the `exact` ones alike).
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,9 +31,26 @@ namespace shardlm {
 
 constexpr int64_t QBLOCK = 32;
 
+// An allocator from 64-byte boundaries (cache lines): a row's activation codes (kp a multiple of 32 int16) and its
+// chunk scale vectors then start on a line, and each 512-bit load reads one line, not two. From malloc's 16-byte
+// boundaries a batch-1 int8 pass over one layer from L2 ran about 10 % slower (scratch C++, 2026-11-29).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+
 // b rows of activations as int16 codes in blocks of QBLOCK: codes (b, kp) with zeros past k, scales (b, kp / 32).
 struct QuantRows {
-  std::vector<int16_t> codes;
+  std::vector<int16_t, LineAligned<int16_t>> codes;
   std::vector<float> scales;
   std::vector<float> sums;  // (b, kp / 32): scale * the block's sum of codes (the int4 zero-point term)
   // (b, kp) each code's high byte (code >> 8, signed) and low byte (code & 255): the int4 tiles' byte dot products
@@ -38,6 +59,10 @@ struct QuantRows {
   std::vector<uint8_t> low;
   int64_t kp = 0, blocks = 0;
   bool interleaved = false;  // codes in qexact.h's interleaved order (for an exact weight whose codes are)
+  // codes in pairs of blocks (qpairs.h's pair_rows: the float-summed rows of a 512-bit build), with each row's chunk
+  // scale vectors (b, chunks, 16)
+  bool paired = false;
+  std::vector<float, LineAligned<float>> pair_scales;
 };
 
 // x's codes as their two bytes (QuantRows::high and low), for the int4 tiles.
@@ -85,6 +110,14 @@ inline int64_t interleaved_column(int64_t c, int64_t kp) {
   const int64_t chunk = IGROUP_BLOCKS / m, l = c / QBLOCK - first, pair = (c % QBLOCK) / 2;
   const int64_t t = pair / chunk, j = pair % chunk;
   return first * QBLOCK + 2 * (IGROUP_BLOCKS * t + chunk * l + j) + c % 2;
+}
+
+// The position of column c in a row of kp paired codes (kp a multiple of QBLOCK; qpairs.h): in each whole pair of
+// blocks, half h (16 columns) of block l sits at half 2 h + l. The map is its own inverse.
+inline int64_t paired_column(int64_t c, int64_t kp) {
+  const int64_t base = c / (2 * QBLOCK) * (2 * QBLOCK), i = c - base;
+  if (base + 2 * QBLOCK > kp) return c;  // an odd last block
+  return base + (i % QBLOCK) / 16 * QBLOCK + i / QBLOCK * 16 + i % 16;
 }
 
 // 32767 / amax, the factor that turns a block's values into codes; 0 for a block of zeros, and for one whose max is
@@ -149,7 +182,7 @@ inline void quantize_row(const float* x, int64_t k, int64_t kp, int16_t* codes, 
 inline void size_rows(QuantRows& out, int64_t b, int64_t kp) {
   out.kp = kp;
   out.blocks = kp / QBLOCK;
-  out.interleaved = false;
+  out.interleaved = out.paired = false;
   out.codes.resize(b * kp);
   out.scales.resize(b * out.blocks);
   out.sums.resize(b * out.blocks);
@@ -198,6 +231,11 @@ inline Codes16 widen_int8(const int8_t* w) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1))};
 }
+// A block whose columns 0-15 and 16-31 lie apart (paired weights, qpairs.h).
+inline Codes16 widen_halves(const int8_t* lo, const int8_t* hi) {
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)))};
+}
 
 // Eight int32 lanes of sum w[i] * x[i] over one block of 32 (int16 products, adjacent pairs summed). With VNNI
 // (AVX512-VNNI or AVX-VNNI) the second half's products are added by the dot-product instruction itself: one
@@ -232,15 +270,15 @@ inline std::string int8_units() {
 }
 
 // One pair without vector units: the same blocks, the same scaling, scalar (interleaved codes read where each of
-// a block's columns sits).
-inline double dot_q8_scalar(const int8_t* w, const QuantRows& x, int64_t j) {
+// a block's columns sits; `paired_w`: the weight's codes in the paired order, x's natural).
+inline double dot_q8_scalar(const int8_t* w, const QuantRows& x, int64_t j, bool paired_w = false) {
   double s = 0.0;
   const int16_t* xc = x.codes.data() + j * x.kp;
   for (int64_t blk = 0; blk < x.blocks; ++blk) {
     int32_t acc = 0;
     for (int64_t c = blk * QBLOCK; c < (blk + 1) * QBLOCK; ++c) {
       const int64_t at = x.interleaved ? interleaved_column(c, x.kp) : c;
-      acc += static_cast<int32_t>(w[at]) * xc[at];
+      acc += static_cast<int32_t>(w[paired_w ? paired_column(c, x.kp) : at]) * xc[at];
     }
     s += static_cast<double>(static_cast<float>(acc) * x.scales[j * x.blocks + blk]);
   }
@@ -262,8 +300,7 @@ struct FloatSums {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // With AVX-512 a block of 32 codes is one vector of 32 int16 and meets the activation block in one multiply-add
 // (16 int32 lanes, adjacent pairs summed): four instructions a (row, block) where the 256-bit form takes seven.
-// The lanes then hold pairs, not the 256-bit form's quads, so an AVX-512 build rounds the float-summed int8
-// products differently from an AVX2 one (each batch-invariant; the `exact` ones round alike on both).
+// The exact sums (qexact.h) take these; the float-summed rows take a pair of blocks at a time (qpairs.h).
 struct Codes32 {
   __m512i v;
 };
@@ -273,17 +310,14 @@ inline Codes32 widen_int8_32(const int8_t* w) {
 inline __m512i block_dot32(const Codes32& w, const int16_t* x) {
   return _mm512_madd_epi16(w.v, _mm512_loadu_si512(x));
 }
-// Two chains a pair, block blk's term in chain blk % 2: a pair's sum waits on two multiply-adds in flight, not on
-// one, so a batch-1 tile can take its rows one after another (qtile) without the chain's latency setting the pace.
-struct FloatSums16 {
-  using Lane = __m512;
-  static constexpr int kLanes = 2;
-  static void zero(Lane* a) { a[0] = a[1] = _mm512_setzero_ps(); }
-  static void add(Lane& a, __m512i isum, __m512 scale) { a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, a); }
-  static Lane total(const Lane* a) { return _mm512_add_ps(a[0], a[1]); }
-};
 #define SHARDLM_Q8_WIDE 1
 #endif
+
+}  // namespace shardlm
+
+#include "qpairs.h"  // the float-summed rows of a 512-bit build, a pair of blocks at a time
+
+namespace shardlm {
 
 // A block's codes widened, its int32 lanes against an activation block, a scale in every lane: in 512-bit
 // vectors with AVX-512, else 256-bit ones.
@@ -297,110 +331,85 @@ inline __m256i dot_block(const Codes16& w, const int16_t* x) { return block_dot(
 inline __m256 broadcast_scale(float d) { return _mm256_set1_ps(d); }
 #endif
 
-#if defined(SHARDLM_Q8_WIDE) || defined(__AVX2__)
-#if defined(SHARDLM_Q8_WIDE)
-using PairSums = FloatSums16;
-#else
+#if defined(__AVX2__) && !defined(SHARDLM_Q8_WIDE)
 using PairSums = FloatSums;
-#endif
 
 // One block (blk) of the R x J pairs into chain C, the R weight rows side by side: the block's codes widened once for
 // the J activation rows, every row asking for its row PREFETCH_ROWS on.
-template <int R, int J, int C>
+// Weights in the paired order (qpairs.h) have the block's halves 32 bytes apart in its pair, 16 in an odd last block.
+template <int R, int J, int C, bool PairedW>
 __attribute__((always_inline)) inline void tile_block(const int8_t* w, int64_t ldw, const QuantRows& x, int64_t r0,
                                                       int64_t j0, int64_t blk,
                                                       PairSums::Lane (&acc)[R][J][PairSums::kLanes]) {
   decltype(broadcast_scale(0.f)) d[J];
   for (int j = 0; j < J; ++j) d[j] = broadcast_scale(x.scales[(j0 + j) * x.blocks + blk]);
+  const bool in_pair = PairedW && blk / 2 * 2 + 1 < x.blocks;
+  const int64_t at = in_pair ? blk / 2 * 2 * QBLOCK + blk % 2 * 16 : blk * QBLOCK, gap = in_pair ? 32 : 16;
   for (int r = 0; r < R; ++r) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + r + PREFETCH_ROWS) * ldw + blk * QBLOCK), _MM_HINT_T0);
-    const auto wv = widen_block(w + (r0 + r) * ldw + blk * QBLOCK);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + r + PREFETCH_ROWS) * ldw + at), _MM_HINT_T0);
+    const int8_t* row = w + (r0 + r) * ldw;
+    const auto wv = PairedW ? widen_halves(row + at, row + at + gap) : widen_block(row + at);
     for (int j = 0; j < J; ++j)
       PairSums::add(acc[r][j][C], dot_block(wv, x.codes.data() + (j0 + j) * x.kp + blk * QBLOCK), d[j]);
   }
 }
 // The R x J pairs' chains over every block: block blk goes to chain blk % kLanes.
-template <int R, int J>
+template <int R, int J, bool PairedW>
 __attribute__((always_inline)) inline void tile_sums(const int8_t* w, int64_t ldw, const QuantRows& x, int64_t r0,
                                                      int64_t j0, PairSums::Lane (&acc)[R][J][PairSums::kLanes]) {
   constexpr int odd = PairSums::kLanes - 1;  // the odd blocks' chain (with AVX2 the one chain)
   int64_t blk = 0;
   for (; blk + 2 <= x.blocks; blk += 2) {
-    tile_block<R, J, 0>(w, ldw, x, r0, j0, blk, acc);
-    tile_block<R, J, odd>(w, ldw, x, r0, j0, blk + 1, acc);
+    tile_block<R, J, 0, PairedW>(w, ldw, x, r0, j0, blk, acc);
+    tile_block<R, J, odd, PairedW>(w, ldw, x, r0, j0, blk + 1, acc);
   }
-  if (blk < x.blocks) tile_block<R, J, 0>(w, ldw, x, r0, j0, blk, acc);
+  if (blk < x.blocks) tile_block<R, J, 0, PairedW>(w, ldw, x, r0, j0, blk, acc);
 }
 
-#if defined(SHARDLM_Q8_WIDE)
-// The same chains for one activation row (j0), the weight rows one after another: the weight is read as one address
-// stream, each row asking for the line STREAM_AHEAD bytes on, where the rows side by side read R streams at once.
-// Measured on this AVX-512 VM (2 threads): a scratch pass over 30 layers of the bundled model's int8 products took
-// 0.84x the time from memory and 0.95x from the caches; in-process A/B of a batch-1 decode step (paired rounds),
-// 0.83x when the VM read slowly and 0.995x when it read fast. One chain a pair, not two, had run 1.4-1.6x slower
-// from the caches (each pair's sum waiting on its own multiply-add). Each pair's chains get tile_sums' terms in the
-// same order, bit for bit; only the order of the weight rows differs.
-template <int R>
-__attribute__((always_inline)) inline void row_sums(const int8_t* w, int64_t ldw, const QuantRows& x, int64_t r0,
-                                                    int64_t j0, PairSums::Lane (&acc)[R][1][PairSums::kLanes]) {
-  const int16_t* xc = x.codes.data() + j0 * x.kp;
-  const float* ds = x.scales.data() + j0 * x.blocks;
-  const int64_t nb = x.blocks;
-  for (int r = 0; r < R; ++r) {
-    const int8_t* row = w + (r0 + r) * ldw;
-    PairSums::Lane even = acc[r][0][0], odd = acc[r][0][1];  // a row's chains in registers through its blocks
-    auto add_block = [&](PairSums::Lane& chain, int64_t blk) {
-      PairSums::add(chain, dot_block(widen_block(row + blk * QBLOCK), xc + blk * QBLOCK), broadcast_scale(ds[blk]));
-    };
-    for (int64_t blk = 0; blk < nb; blk += 2) {  // a pair of blocks (a cache line) a step; an odd count ends on one
-      stream_prefetch(row + blk * QBLOCK + STREAM_AHEAD);
-      add_block(even, blk);
-      if (blk + 1 < nb) add_block(odd, blk + 1);
-    }
-    acc[r][0][0] = even, acc[r][0][1] = odd;
-  }
-}
-#endif
 #endif
 
 // y[j, r] = scale[r] * sum_k w[r, k] x[j, k] for R int8 weight rows from r0 and J activation rows from j0, summed
-// in float lanes (weights no rank splits): per pair, block terms in float chains (PairSums), the chains added, then
-// the lanes in order (lane_sums8).
-template <typename T, int R, int J>
+// in float lanes (weights no rank splits): per pair, block terms in float chains (a 512-bit build's two, a pair of
+// blocks a term: qpairs.h; a 256-bit build's one, PairSums), the chains added, then the lanes in order (lane_sums8).
+template <typename T, int R, int J, bool PairedW>
 __attribute__((always_inline)) inline void qtile(const int8_t* w, int64_t ldw, const float* scale,
                                                  const QuantRows& x, T* y, int64_t n, int64_t r0, int64_t j0) {
 #if defined(SHARDLM_Q8_WIDE) || defined(__AVX2__)
+  float sums[R * J];  // (r, j): the lanes added in order from zero (lane_sums8, eight pairs at a time)
+#endif
+#if defined(SHARDLM_Q8_WIDE)
+  __m512 acc[R][J][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j][0] = acc[r][j][1] = _mm512_setzero_ps();
+  if constexpr (J == 1)
+    pair_row_sums<R, PairedW>(w, ldw, x, r0, j0, acc);
+  else
+    pair_tile_sums<R, J, PairedW>(w, ldw, x, r0, j0, acc);
+  v8f low[R * J], high[R * J];  // lanes 0-7 and 8-15
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) halves_of(_mm512_add_ps(acc[r][j][0], acc[r][j][1]), low[r * J + j], high[r * J + j]);
+  float first[R * J];
+  lane_sums8(low, R * J, first);
+  lane_sums8(high, R * J, sums, first);
+#elif defined(__AVX2__)
   using P = PairSums;
   typename P::Lane acc[R][J][P::kLanes];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) P::zero(acc[r][j]);
-#if defined(SHARDLM_Q8_WIDE)
-  if constexpr (J == 1)
-    row_sums<R>(w, ldw, x, r0, j0, acc);
-  else
-#endif
-    tile_sums<R, J>(w, ldw, x, r0, j0, acc);
-  float sums[R * J];  // (r, j): the lanes added in order from zero (lane_sums8, eight pairs at a time)
-#if defined(SHARDLM_Q8_WIDE)
-  v8f low[R * J], high[R * J];  // lanes 0-7 and 8-15
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) halves_of(P::total(acc[r][j]), low[r * J + j], high[r * J + j]);
-  float first[R * J];
-  lane_sums8(low, R * J, first);
-  lane_sums8(high, R * J, sums, first);
-#else
+  tile_sums<R, J, PairedW>(w, ldw, x, r0, j0, acc);
   v8f lanes[R * J];  // a copy, as in bf16rows.h's tile_bf16: the accumulators' own address stays untaken
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) lanes[r * J + j] = reinterpret_cast<v8f>(P::total(acc[r][j]));
   lane_sums8(lanes, R * J, sums);
 #endif
+#if defined(SHARDLM_Q8_WIDE) || defined(__AVX2__)
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) y[(j0 + j) * n + r0 + r] = static_cast<T>(scale[r0 + r] * sums[r * J + j]);
 #else
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j)
       y[(j0 + j) * n + r0 + r] =
-          static_cast<T>(static_cast<double>(scale[r0 + r]) * dot_q8_scalar(w + (r0 + r) * ldw, x, j0 + j));
+          static_cast<T>(static_cast<double>(scale[r0 + r]) * dot_q8_scalar(w + (r0 + r) * ldw, x, j0 + j, PairedW));
 #endif
 }
 
@@ -436,19 +445,30 @@ struct Int8Tiles {
   const QuantRows& x;
   T* y;
   int64_t n;
+  bool paired;  // the weight's codes in the paired order (qpairs.h)
   template <int R, int J>
-  void run(int64_t r0, int64_t j0) const { qtile<T, R, J>(w, ldw, scale, x, y, n, r0, j0); }
+  void run(int64_t r0, int64_t j0) const {
+    if (paired)
+      qtile<T, R, J, true>(w, ldw, scale, x, y, n, r0, j0);
+    else
+      qtile<T, R, J, false>(w, ldw, scale, x, y, n, r0, j0);
+  }
 };
 
 // Rows [lo, hi) of an int8 weight (rows ldw >= kp apart) against every quantized activation row; `exact`: one
-// double term a block (see the top of this file).
+// double term a block (see the top of this file); `paired`: the weight's codes in the paired order (qpairs.h; summed
+// in float lanes only).
 template <typename T>
 inline void qrows(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n, int64_t b,
-                  int64_t lo, int64_t hi, bool exact) {
+                  int64_t lo, int64_t hi, bool exact, bool paired = false) {
+  if (float_rows_paired() ? exact == x.paired : x.paired)
+    throw std::logic_error(exact ? "qrows: exact sums read natural or interleaved codes, got paired ones"
+                                 : "qrows: the float-summed rows read paired codes (ready_for_float_rows)");
+  if (exact && paired) throw std::logic_error("qrows: paired weight codes are summed in float lanes only");
   if (exact)
     exact_rows<T>(w, ldw, scale, x, y, n, b, lo, hi);
   else
-    tile_rows(Int8Tiles<T>{w, ldw, scale, x, y, n}, b, lo, hi);
+    tile_rows(Int8Tiles<T>{w, ldw, scale, x, y, n, paired}, b, lo, hi);
 }
 
 }  // namespace shardlm

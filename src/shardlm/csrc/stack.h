@@ -92,6 +92,9 @@ class DecodeStack {
     for (const Linear* l : {&b.q, &b.k, &b.v, &b.gate, &b.up})
       TORCH_CHECK(!l->interleaved, "decode stack: block ", i, " has interleaved int8 codes in a weight summed in "
                   "float (only the o and down projections, summed exact, take them)");
+    for (const Linear* l : {&b.o, &b.down})
+      TORCH_CHECK(!l->paired, "decode stack: block ", i, " has paired int8 codes in a weight summed exact (only the "
+                  "weights summed in float lanes take them)");
     TORCH_CHECK(b.kv_map.scalar_type() == torch::kLong && b.kv_map.is_contiguous() && b.kv_map.dim() == 1,
                 "decode stack: block ", i, " kv_map must be a contiguous (hq,) int64 tensor");
     b.ln1f = f32(b.ln1);

@@ -142,7 +142,7 @@ class StackStep {
   // x normed by `ln` (and quantized for `l`'s kind of weight) into the thread's scratch.
   void norm_input(const float* x, const torch::Tensor& ln, float eps, const Linear& l, Scratch& s) const {
     rms_norm_rows(x, ln.data_ptr<float>(), eps, s.xn.data(), b_, dim_);
-    if (l.quantized()) quantize_for(l, s.xn.data(), b_, dim_, s.xq);
+    if (l.quantized()) quantize_for(l, s.xn.data(), b_, dim_, false, s.xq);
   }
 
   // y (b, n) columns [lo, hi) = round(y + res (+ bias)) in the model's dtype, as add_rows then .to(dtype).
@@ -160,7 +160,7 @@ class StackStep {
   // into = round(w's rows + res (+ bias)) on this thread's columns.
   void output_share(const Linear& w, const float* in, int64_t k, const float* res, const torch::Tensor& bias,
                     float* into, int64_t tid, Scratch& s) {
-    if (w.quantized()) quantize_for(w, in, b_, k, s.xq);
+    if (w.quantized()) quantize_for(w, in, b_, k, true, s.xq);
     const auto [lo, hi] = product_share<W>({{&w, out_.data()}}, in, s.xq, k, b_, true, tid, team_.size());
     const auto [r0, r1] = unit_rows(w, lo, hi);
     finish(out_.data(), res, bias, into, r0, r1);

@@ -36,7 +36,7 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 def _weights(layer: nn.Module, dtype: torch.dtype) -> tuple[list, list | None, list | None] | None:
     """The block's seven weights as the kernels take them: plain `dtype` tensors (scales and pads None); int8
-    codes with their row scales and pads (0, 1) where the codes are interleaved, else (0, 0); or int4 codes with
+    codes with their row scales and pads (0, code_order); or int4 codes with
     their (scale, zero) tables and (left padding, rows). None when they are in another form (packed, on CUDA,
     mixed) or a norm is not `dtype`."""
     linears = _linears(layer)
@@ -48,10 +48,15 @@ def _weights(layer: nn.Module, dtype: torch.dtype) -> tuple[list, list | None, l
     codes = [m.kernel_weight for m in linears]
     # "meta": a streamed layer between uses (the streamer puts CPU tensors back before each call)
     if all(isinstance(kw, Int8Weight) and kw.q.device.type in ("cpu", "meta") for kw in codes):
-        return [kw.q for kw in codes], [kw.scale for kw in codes], [(0, int(kw.interleaved)) for kw in codes]
+        return [kw.q for kw in codes], [kw.scale for kw in codes], [(0, code_order(kw)) for kw in codes]
     if all(isinstance(kw, Int4Weight) and kw.packed.device.type in ("cpu", "meta") for kw in codes):
         return [kw.packed for kw in codes], [kw.scales_zeros for kw in codes], [(kw.pad_left, kw.out) for kw in codes]
     return None
+
+
+def code_order(kw: Int8Weight) -> int:
+    """How csrc/decode.h's linear_of names an int8 weight's column order: 0 natural, 1 interleaved, 2 paired."""
+    return 1 if kw.interleaved else 2 if kw.paired else 0
 
 
 def plain_block(layer: nn.Module, dtype: torch.dtype) -> bool:

@@ -77,9 +77,10 @@ def build_rank_model(spec: RankSpec, source: ModelSource, ctx: ParallelContext, 
         raise
     finish_model(model, coord, device)
     quantize_vocab(model, spec, dtype)
-    mark_exact_sums(model, source.family, target.streamed)
+    mark_exact_sums(model, source.family)
     streamer = start_streamer(model, target, extents, vocab, device, spec, settings, offload_io)
-    kernels = choose_kernels(model, spec, device, dtype, settings, streamer is not None, mapped)
+    kernels = choose_kernels(model, spec, device, dtype, settings, streamer is not None, mapped,
+                             frozenset(target.streamed))
     graphs = GraphDecoders(model, kernels.compiled) if kernels.cuda_graphs else None
     rank = RankModel(model, spec, source.args, device, dtype, coord.local_kv_heads(), kernels, streamer,
                      tuple(sorted(target.streamed)), mapped, graphs,
@@ -317,18 +318,28 @@ def quantize_vocab(model: nn.Module, spec: RankSpec, dtype: torch.dtype) -> None
     trim_heap()  # the float table
 
 
-def mark_exact_sums(model: nn.Module, family: Family, streamed: set[int] = frozenset()) -> None:
+def mark_exact_sums(model: nn.Module, family: Family) -> None:
     """Flag the quantized weights whose rows tensor parallelism splits by input column (the family's row-wise
     styles: o_proj, down_proj), at any tp: their kernels sum in double, so a tp 1 rank rounds what tp N ranks'
-    float64 partial sums add up to, and quantized tokens do not depend on the layout (shardlm.quant). The int8
-    ones a CPU rank holds in memory (not in the `streamed` layers, which come back from the store as written) get
-    their codes interleaved, the order their kernel reads fastest (csrc/qexact.h); the numbers are the same."""
+    float64 partial sums add up to, and quantized tokens do not depend on the layout (shardlm.quant)."""
     for name, module in model.named_modules():
         kw = getattr(module, "kernel_weight", None)
         if hasattr(kw, "exact") and isinstance(style_for(name, family.tp_plan), (Rowwise, RowwiseHeads)):
             kw.exact = True
-            if isinstance(kw, Int8Weight) and kw.q.device.type == "cpu" and _layer_of(name) not in streamed:
-                kw.interleave()
+
+
+def order_codes(model: nn.Module, streamed: frozenset[int] = frozenset()) -> None:
+    """Put the codes of the int8 weights a CPU rank holds in memory in the order our kernels read fastest (called
+    once they are the rank's kernels: torch's int8 kernel would reorder them back every product): interleaved for
+    the exact sums (csrc/qexact.h), paired for the float ones (csrc/qpairs.h); the numbers are the same. The
+    `streamed` layers come back from the store as written and keep their natural codes."""
+    ordered: set[int] = set()  # a tied head and embedding share one Int8Weight
+    for name, module in model.named_modules():
+        kw = getattr(module, "kernel_weight", None)
+        if isinstance(kw, Int8Weight) and kw.q.device.type == "cpu" and _layer_of(name) not in streamed \
+                and id(kw) not in ordered and not (kw.interleaved or kw.paired):
+            ordered.add(id(kw))
+            kw.interleave() if kw.exact else kw.pair()
 
 
 def _layer_of(name: str) -> int | None:
@@ -357,10 +368,10 @@ def compiled_ops(kernels: KernelChoice, settings: Settings):
 
 
 def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype: torch.dtype, settings: Settings,
-                   streaming: bool, mapped: frozenset[int]) -> KernelChoice:
-    """Pick this rank's kernels once and install them on the model: CPU linear kernels and the fused
-    decode step; on a GPU, joined q/k/v and gate/up products (nothing streamed) and CUDA-graph decode on a
-    one-GPU rank."""
+                   streaming: bool, mapped: frozenset[int], streamed: frozenset[int] = frozenset()) -> KernelChoice:
+    """Pick this rank's kernels once and install them on the model: CPU linear kernels (with our own, the int8
+    codes of the layers not `streamed` in their order, order_codes) and the fused decode step; on a GPU, joined
+    q/k/v and gate/up products (nothing streamed) and CUDA-graph decode on a one-GPU rank."""
     if device.type == "cuda":
         graphs = settings.cuda_graphs and not streaming and spec.tp == 1 and spec.pp == 1
         joined = join_projections(model) if settings.cuda_join and not streaming else 0
@@ -370,6 +381,8 @@ def choose_kernels(model: nn.Module, spec: RankSpec, device: torch.device, dtype
         return KernelChoice("cuda", 0, graphs, graphs and settings.cuda_compile, joined, graphs and settings.cuda_ahead,
                             not (graphs and settings.batch_invariant), gemv_layers=gemv)
     mode, ext = choose_mode(settings.kernels, settings.kernel_dir)
+    if mode == "gemv":
+        order_codes(model, streamed)
     install_linears(model, mode, ext, keep=mapped)
     units = units_of(ext) if mode == "gemv" else ""
     if not (settings.fused and mode == "gemv"):

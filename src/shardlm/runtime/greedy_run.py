@@ -52,7 +52,7 @@ def _embedding(module: nn.Module, gm) -> bool:
     if isinstance(module, Int8Embedding) and module.ctx is None and module.start == 0 \
             and not module.kernel_weight.interleaved:
         kw = module.kernel_weight
-        gm.embed_q, gm.embed_scale, gm.embed_width = kw.q, kw.scale, kw.in_features
+        gm.embed_q, gm.embed_scale, gm.embed_width, gm.embed_paired = kw.q, kw.scale, kw.in_features, kw.paired
         return True
     if type(module) is nn.Embedding and module.weight.is_contiguous():
         gm.embed_weight = module.weight.detach()
@@ -65,8 +65,8 @@ def _head(module: nn.Module, gm) -> bool:
     if getattr(module, "bias", None) is not None or getattr(module, "gemv", None) is None:
         return False
     kw = getattr(module, "kernel_weight", None)
-    if isinstance(kw, Int8Weight) and kw.gemv is not None and not kw.interleaved:  # the run reads natural codes
-        gm.head_q, gm.head_scale, gm.head_exact = kw.q, kw.scale, kw.exact
+    if isinstance(kw, Int8Weight) and kw.gemv is not None and not kw.interleaved:  # natural or paired codes
+        gm.head_q, gm.head_scale, gm.head_exact, gm.head_paired = kw.q, kw.scale, kw.exact, kw.paired
         return True
     if isinstance(kw, Int4Weight) and kw.gemv is not None and not kw.packed.is_cuda:
         gm.head4_codes, gm.head4_sz, gm.head4_pad_left, gm.head4_rows = kw.kernel_args()
