@@ -8,9 +8,12 @@
 // added at the end, then the sixteen lanes in order from zero (qtile). An odd last block is a chunk alone: its quads
 // in lanes 0-7, zeros times a zero scale in lanes 8-15. Each (weight row, activation row) pair's terms are the same in
 // any tile or batch, so a row's result does not depend on the batch around it.
-// Weights in their natural order have each chunk's two 32-byte halves exchanged in registers, one shuffle a vector.
-// Scratch C++ of 2 threads over one layer's 576-column int8 rows from L2 (2026-11-29): a block at a time 79-80 GB/s,
-// chunks of natural weights 85 GB/s.
+// A CPU rank holds these weights' codes paired (shardlm.quant Int8Weight.pair); codes in their natural order (layers
+// streamed from disk, direct calls) have each chunk's two 32-byte halves exchanged in registers, one shuffle a vector,
+// and give the same bits. Scratch C++ of 2 threads over one layer's 576-column int8 rows from L2 (2026-11-29): a block
+// at a time 79-80 GB/s, chunks of paired codes 100, of natural ones 85. In-process (bench/step_vs_commit.py against
+// 2b639fe, RESULTS.md stop 59, the VM reading 34-36 GB/s): int8 decode steps 0.90-0.92x the time at batch 1,
+// 0.81-0.87x at 4 rows and 0.77-0.83x at 8; prefill level.
 // Included by qrows.h after the blocks, dot products and QuantRows it uses.
 #pragma once
 #include <algorithm>
@@ -139,6 +142,12 @@ __attribute__((always_inline)) inline void pair_tile_sums(const int8_t* w, int64
     tile_chunk<R, J, 0, PairedW, true>(w, ldw, x, r0, j0, whole, acc);
 }
 
+// How far ahead the one-row loop asks for the weight's lines (into L2, stream_prefetch): twice the block-at-a-time
+// loop's STREAM_AHEAD. This loop takes fewer instructions a line, so at 4 KB the lines came too late: from memory
+// (2 threads, 75 MB of int8 rows, the same pages in each order) it ran 0.94-0.96x the block-at-a-time loop's speed
+// at 4 KB, 0.77x at 2 KB, and 1.09-1.12x at 8 KB (2026-11-29).
+constexpr int64_t PAIR_AHEAD = 2 * STREAM_AHEAD;
+
 // The same chains for one activation row (j0), the weight rows one after another: the weight is read as one address
 // stream, each row asking for the line STREAM_AHEAD bytes on, where the rows side by side read R streams at once
 // (measured before the chunks, a block at a time: 0.84x the time of side-by-side rows from memory and 0.95x from the
@@ -154,7 +163,7 @@ __attribute__((always_inline)) inline void pair_row_sums(const int8_t* w, int64_
     const int8_t* row = w + (r0 + r) * ldw;
     __m512 even = acc[r][0][0], odd = acc[r][0][1];  // a row's chains in registers through its chunks
     auto add_chunk = [&](__m512& chain, int64_t l) {  // a chunk (a cache line) a step
-      stream_prefetch(row + l * 2 * QBLOCK + STREAM_AHEAD);
+      stream_prefetch(row + l * 2 * QBLOCK + PAIR_AHEAD);
       chain_add(chain, chunk_dot(widen_chunk<PairedW>(row + l * 2 * QBLOCK), xc + l * 2 * QBLOCK), lanes + l * 16);
     };
     int64_t l = 0;
