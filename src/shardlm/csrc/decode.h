@@ -208,10 +208,8 @@ inline void quantize_for(const Linear& l, const float* x, int64_t b, int64_t k, 
   quantize_padded(x, b, k, l.pad_left, l.padded_width(), out);
   if (l.int4())
     split_bytes(out);
-  else if (l.interleaved)
-    interleave_rows(out, b);
-  else if (!exact)
-    ready_for_float_rows(out, b);
+  else
+    order_rows_for(out, b, l.interleaved, exact);
 }
 
 // Units [lo, hi) of a quantized weight (int4: tiles of 16 rows; int8: rows) against xq into y (b, n) as T.

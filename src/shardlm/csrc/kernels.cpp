@@ -67,6 +67,24 @@ inline void check_int8(const torch::Tensor& q, const torch::Tensor& scale, int64
 }
 
 // x (..., k) float32 or bfloat16; q (n, kq) int8 codes, kq = k rounded up to 32 (zero columns past k); scale (n,)
+// The orders an int8 weight's codes may come in for `who`: interleaved ones are summed exact only (qexact.h), paired
+// ones in float lanes only (qpairs.h).
+static void check_code_order(const char* who, bool exact, bool wide, bool interleaved, bool paired) {
+  TORCH_CHECK(!interleaved || exact || wide, who, ": interleaved codes are summed exact only; pass exact=True");
+  TORCH_CHECK(!paired || !(exact || wide || interleaved), who, ": paired codes are summed in float lanes only; pass "
+              "exact=False, wide=False, interleaved=False");
+}
+
+// A copy of int8 codes (n, kp), kp a multiple of 32, with each row put in another order by reorder(codes, n, kp).
+static torch::Tensor reordered_int8(const torch::Tensor& q, const char* who,
+                                    void (*reorder)(int8_t*, int64_t, int64_t)) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.size(1) % shardlm::QBLOCK == 0, who,
+              ": int8 codes (n, kp) with kp a multiple of 32 expected, got ", q.sizes(), " ", q.scalar_type());
+  auto out = q.contiguous().clone();
+  reorder(out.data_ptr<int8_t>(), out.size(0), out.size(1));
+  return out;
+}
+
 // -> (..., n) in x's dtype: x @ (q * scale)^T. The rows of x are quantized to int16 in blocks of 32 and meet the
 // codes in integer dot products (qrows.h). `exact`: summed in double (a row-parallel kind of weight); `wide`:
 // summed in double and returned as float64 (a row-parallel rank's partial sums, all-reduced in float64);
@@ -74,18 +92,13 @@ inline void check_int8(const torch::Tensor& q, const torch::Tensor& scale, int64
 torch::Tensor gemv_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide,
                         bool interleaved, bool paired) {
   check_int8(q, scale, x_in.size(-1), "gemv_int8");
-  TORCH_CHECK(!interleaved || exact || wide, "gemv_int8: interleaved codes are summed exact only; pass exact=True");
-  TORCH_CHECK(!paired || !(exact || wide || interleaved), "gemv_int8: paired codes are summed in float lanes only; "
-              "pass exact=False, wide=False, interleaved=False");
+  check_code_order("gemv_int8", exact, wide, interleaved, paired);
   const int64_t n = q.size(0), k = x_in.size(-1), kq = q.size(1);
   const auto x = float_rows(x_in), scale32 = scale.to(torch::kFloat).contiguous();
   const int64_t b = x.size(0);
   shardlm::QuantRows xq;
   shardlm::quantize_rows(x.data_ptr<float>(), b, k, kq, xq);
-  if (interleaved)
-    shardlm::interleave_rows(xq, b);
-  else if (!exact && !wide)
-    shardlm::ready_for_float_rows(xq, b);
+  shardlm::order_rows_for(xq, b, interleaved, exact || wide);
   const int8_t* w = q.data_ptr<int8_t>();
   const float* s = scale32.data_ptr<float>();
   const auto lead = out_shape(x_in, n);
@@ -172,31 +185,18 @@ torch::Tensor integer_panels(const torch::Tensor& x_in, int64_t pad_left, int64_
 // A copy of int8 codes (n, kp), kp a multiple of 32, in qexact.h's interleaved order (or back from it: the same
 // transpose), for the exact kernels.
 torch::Tensor interleave_int8(torch::Tensor q) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.size(1) % shardlm::QBLOCK == 0,
-              "interleave_int8: int8 codes (n, kp) with kp a multiple of 32 expected, got ", q.sizes(), " ",
-              q.scalar_type());
-  auto out = q.contiguous().clone();
-  shardlm::interleave_codes(out.data_ptr<int8_t>(), out.size(0), out.size(1));
-  return out;
+  return reordered_int8(q, "interleave_int8", shardlm::interleave_codes<int8_t>);
 }
 
 // A copy of int8 codes (n, kp), kp a multiple of 32, in qpairs.h's paired order (or back from it: the same
 // exchange), for the float-summed kernels.
-torch::Tensor pair_int8(torch::Tensor q) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.size(1) % shardlm::QBLOCK == 0,
-              "pair_int8: int8 codes (n, kp) with kp a multiple of 32 expected, got ", q.sizes(), " ", q.scalar_type());
-  auto out = q.contiguous().clone();
-  shardlm::pair_codes(out.data_ptr<int8_t>(), out.size(0), out.size(1));
-  return out;
-}
+torch::Tensor pair_int8(torch::Tensor q) { return reordered_int8(q, "pair_int8", shardlm::pair_codes<int8_t>); }
 
 // Prefill with an int8 weight: the arguments of gemv_int8, through the integer panels.
 torch::Tensor prefill_int8(torch::Tensor x_in, torch::Tensor q, torch::Tensor scale, bool exact, bool wide,
                            bool interleaved, bool paired) {
   check_int8(q, scale, x_in.size(-1), "prefill_int8");
-  TORCH_CHECK(!interleaved || exact || wide, "prefill_int8: interleaved codes are summed exact only; pass exact=True");
-  TORCH_CHECK(!paired || !(exact || wide || interleaved), "prefill_int8: paired codes are summed in float lanes only; "
-              "pass exact=False, wide=False, interleaved=False");
+  check_code_order("prefill_int8", exact, wide, interleaved, paired);
   const auto scale32 = scale.to(torch::kFloat).contiguous();
   return integer_panels<false>(x_in, 0, q.size(1), q.size(0), q.data_ptr<int8_t>(), scale32.data_ptr<float>(), nullptr,
                                exact, wide, interleaved, paired);

@@ -12,8 +12,8 @@
 // streamed from disk, direct calls) have each chunk's two 32-byte halves exchanged in registers, one shuffle a vector,
 // and give the same bits. Scratch C++ of 2 threads over one layer's 576-column int8 rows from L2 (2026-11-29): a block
 // at a time 79-80 GB/s, chunks of paired codes 100, of natural ones 85. In-process (bench/step_vs_commit.py against
-// 2b639fe, RESULTS.md stop 59, the VM reading 34-36 GB/s): int8 decode steps 0.90-0.92x the time at batch 1,
-// 0.81-0.87x at 4 rows and 0.77-0.83x at 8; prefill level.
+// 2b639fe, RESULTS.md stop 59): int8 decode steps 0.90-0.92x the time at batch 1 when the VM read 34-36 GB/s (level
+// at 23-31), 0.81-0.87x at 4 rows and 0.77-0.85x at 8; prefill level.
 // Included by qrows.h after the blocks, dot products and QuantRows it uses.
 #pragma once
 #include <algorithm>

@@ -455,6 +455,15 @@ struct Int8Tiles {
   }
 };
 
+// x's activation codes in the order an int8 weight's sums read them: interleaved where its codes are (summed exact),
+// paired for the float lanes of a 512-bit build (ready_for_float_rows), else natural.
+inline void order_rows_for(QuantRows& x, int64_t b, bool interleaved, bool exact) {
+  if (interleaved)
+    interleave_rows(x, b);
+  else if (!exact)
+    ready_for_float_rows(x, b);
+}
+
 // Rows [lo, hi) of an int8 weight (rows ldw >= kp apart) against every quantized activation row; `exact`: one
 // double term a block (see the top of this file); `paired`: the weight's codes in the paired order (qpairs.h; summed
 // in float lanes only).
