@@ -3,10 +3,13 @@ the RESULTS.md section writer (bench/decode.py, bench/decode_vs_commit.py and th
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +132,55 @@ def measure_bandwidth(read_mib: int = 1024, copy_mib: int = 512, reps: int = 10)
         t_copy.append(time.perf_counter() - t0)
     copy = a.nbytes / statistics.median(t_copy) / 1e9
     return {"read": read, "copy": copy}
+
+
+def rank_env(**extra: str) -> dict[str, str]:
+    """The environment a rank process of this tree starts with, plus `extra`: glibc's malloc on transparent huge pages
+    (settings.huge_page_children, as engine/ranks.py starts a rank whose weights stay in memory) unless
+    SHARDLM_HUGE_PAGES=0. A bench child that builds a rank in-process takes it, so its weights sit on the pages a
+    rank's do: on 4 KiB pages the bundled model's int8 batch-1 step took 4.08-4.16 ms where a rank's took 3.30-3.71
+    (alternating runs, 2026-11-30)."""
+    from shardlm.settings import Settings, huge_page_children
+
+    with huge_page_children(Settings.from_env().huge_pages):
+        env = dict(os.environ)
+    return {**env, **extra}
+
+
+def format_args(doc: str, formats: str, rounds: int, child) -> argparse.Namespace | None:
+    """The arguments of a bench that runs a process per format (--formats, --rounds, --no-write); None in such a
+    process (--child FMT), after it printed child(FMT, rounds) as JSON."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--formats", default=formats)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.rounds)))
+        return None
+    return args
+
+
+def format_child(script: str, fmt: str, rounds: int) -> dict:
+    """`script --child FMT --rounds N` in a process started as a rank of this tree starts (rank_env): the JSON of
+    its last line; SystemExit with its stderr's tail if it failed."""
+    res = subprocess.run([sys.executable, script, "--child", fmt, "--rounds", str(rounds)], capture_output=True,
+                         text=True, timeout=900, env=rank_env())
+    if res.returncode != 0:
+        raise SystemExit(f"{fmt} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def record(heading: str, command: str, started: str, what: str, rows: list[str], no_write: bool) -> None:
+    """Print a bench's section (its heading, the command, date and machine, `what` the numbers are, the table rows)
+    and write it to RESULTS.md unless `no_write`."""
+    info = machine_info()
+    text = "\n".join([heading, "", f"Command: `{command}`. Date: {started}. Machine: {info['cpu']}, {info['cores']} "
+                      f"cores, {info['ram']}; torch {info['torch']}. {what}", "", *rows])
+    print(text)
+    if not no_write:
+        write_section(text, heading)
 
 
 def cpu_field(name: str, default: str = "?") -> str:

@@ -2,7 +2,8 @@
 
     python bench/floor_share.py [--formats int4,int8,float32,bfloat16] [--rounds 4] [--no-write]
 
-Per format, one process builds rank 0 of the bundled model's one-rank plan (int8/int4 with the int8 embedding) and
+Per format, one process builds rank 0 of the bundled model's one-rank plan (int8/int4 with the int8 embedding; started
+with a rank's environment, so its weights sit on huge pages unless SHARDLM_HUGE_PAGES=0) and
 times a SlotRunner with no engine around it: each round prefills a 40-token prompt, then decodes 128 greedy tokens in
 steps of 8 (contexts 40-168), with the read bandwidth (bench/decode_common.py's `sum()` over 512 MiB) measured right
 before and right after. A round's floor is the rank's resident weight bytes over the mean of the two bandwidths; its
@@ -12,11 +13,8 @@ not by memory; bench/decode.py's floor shares, taken through the engine, cannot 
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,38 +63,21 @@ def row(fmt: str, got: list[dict]) -> str:
 
 def main() -> None:
     """Run each format in a child process, print the table, record it unless --no-write."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--formats", default="int4,int8,float32,bfloat16")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.rounds)))
-        return
     sys.path.insert(0, str(BENCH))
-    from decode_common import machine_info, write_section
+    from decode_common import format_args, format_child, record
+
+    args = format_args(__doc__, "int4,int8,float32,bfloat16", 4, child)
+    if args is None:
+        return
 
     started = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     rows = ["| format | MB a token | ms a token (rounds) | read GB/s before / after (rounds) | share of the floor "
             "(rounds) | median |", "|---|---|---|---|---|---|"]
     for fmt in args.formats.split(","):
-        res = subprocess.run([sys.executable, __file__, "--child", fmt, "--rounds", str(args.rounds)],
-                             capture_output=True, text=True, timeout=900)
-        if res.returncode != 0:
-            raise SystemExit(f"{fmt} failed:\n{res.stderr[-3000:]}")
-        got = json.loads(res.stdout.strip().splitlines()[-1])
-        rows.append(row(fmt, got))
+        rows.append(row(fmt, format_child(__file__, fmt, args.rounds)))
         print(rows[-1], flush=True)
-    info = machine_info()
-    text = "\n".join([HEADING, "", f"Command: `python bench/floor_share.py --formats {args.formats} --rounds "
-                      f"{args.rounds}`. Date: {started}. Machine: {info['cpu']}, {info['cores']} cores, {info['ram']}; "
-                      f"torch {info['torch']}. In-process SlotRunner, batch 1, contexts 40-168, steps of 8 tokens.",
-                      "", *rows])
-    print(text)
-    if not args.no_write:
-        write_section(text, HEADING)
-
+    record(HEADING, f"python bench/floor_share.py --formats {args.formats} --rounds {args.rounds}", started,
+           "In-process SlotRunner, batch 1, contexts 40-168, steps of 8 tokens.", rows, args.no_write)
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,8 @@
 
 Each sample is a child process (this script with --child) that imports shardlm from one tree, builds rank 0 of
 the bundled model's one-rank plan as a rank builds it, and times a SlotRunner with no engine, driver or queue
-around it (with the rank's malloc settings, where the tree has them): `--steps` decode steps of the case's batch
+around it (with the rank's malloc settings, where the tree has them, and the environment a rank of this tree starts
+with: malloc on huge pages unless SHARDLM_HUGE_PAGES=0): `--steps` decode steps of the case's batch
 (contexts 8-135, cycling, as in a 128-token generate) and a 512-token prefill (its speed and its minor page faults,
 the median of the second and third runs). A case is DTYPE:BATCH with DTYPE f32, bf16, int8 or int4 (int8/int4 with
 the int8 embedding).
@@ -94,7 +95,9 @@ def child(case: str, steps: int) -> dict:
 
 def sample(tree: Path, case: str, steps: int) -> dict:
     """One child run of `case` with `tree`'s shardlm."""
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    from decode_common import rank_env
+
+    env = rank_env(PYTHONPATH=str(tree / "src"))  # this tree's rank environment for both trees
     res = subprocess.run([sys.executable, __file__, "--child", case, "--steps", str(steps)], capture_output=True,
                          text=True, timeout=900, env=env, cwd=tree)
     if res.returncode != 0:

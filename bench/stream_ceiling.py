@@ -79,7 +79,7 @@ def main() -> None:
     if min(args.rounds, args.mb, args.repeats) < 1:
         raise SystemExit("--rounds, --mb and --repeats must be 1 or more")
     sys.path.insert(0, str(BENCH))
-    from decode_common import machine_info, write_section
+    from decode_common import record
 
     binary = compiled()
     started = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -88,15 +88,9 @@ def main() -> None:
     for i in range(1, args.rounds + 1):
         rows.append(row(i, one_round(binary, args.mb, args.repeats)))
         print(rows[-1], flush=True)
-    info = machine_info()
-    text = "\n".join([HEADING, "", f"Command: `python bench/stream_ceiling.py --rounds {args.rounds} --mb {args.mb} "
-                      f"--repeats {args.repeats}`. Date: {started}. Machine: {info['cpu']}, {info['cores']} cores, "
-                      f"{info['ram']}; torch {info['torch']}. One thread a core, each streaming its half of the "
-                      "buffer; medians of the repeats; shares of the mean of the `sum()` figures around them.",
-                      "", *rows])
-    print(text)
-    if not args.no_write:
-        write_section(text, HEADING)
+    record(HEADING, f"python bench/stream_ceiling.py --rounds {args.rounds} --mb {args.mb} --repeats {args.repeats}",
+           started, "One thread a core, each streaming its half of the buffer; medians of the repeats; shares of the "
+           "mean of the `sum()` figures around them.", rows, args.no_write)
 
 
 if __name__ == "__main__":

@@ -74,15 +74,31 @@ def test_decode_runs_compares_run_lengths_on_the_same_tokens():
     assert len(cells) == 4 and float(cells[1].split()[0]) > 0 and cells[3].endswith("x"), out.stdout
 
 
-def test_floor_share_reports_a_share_per_round():
-    """`bench/floor_share.py` for int4, 1 round: the weight bytes, the step time and a share of the floor."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "floor_share.py"), "--formats", "int4", "--rounds", "1",
+def _int4_round(script: str) -> tuple[list[str], str]:
+    """`bench/<script> --formats int4 --rounds 1 --no-write`: the cells of its int4 row, and its output."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--formats", "int4", "--rounds", "1",
                           "--no-write"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0, out.stderr[-3000:]
     row = next(line for line in out.stdout.splitlines() if line.startswith("| int4 |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert float(cells[1]) > 50 and float(cells[2]) > 0 and cells[5].endswith("%"), out.stdout
+    return [c.strip() for c in row.strip("|").split("|")], out.stdout
+
+
+def test_floor_share_reports_a_share_per_round():
+    """`bench/floor_share.py` for int4, 1 round: the weight bytes, the step time and a share of the floor."""
+    cells, out = _int4_round("floor_share.py")
+    assert float(cells[1]) > 50 and float(cells[2]) > 0 and cells[5].endswith("%"), out
+
+
+def test_step_phases_reports_each_phase_of_a_round():
+    """`bench/step_phases.py` for int4, 1 round: the step time, the time outside the blocks, each phase's work (the
+    products with their weights' GB/s) and the two threads' waits."""
+    cells, out = _int4_round("step_phases.py")
+    assert len(cells) == 11 and float(cells[2]) > float(cells[3]) > 0, out
+    for product in (cells[4], cells[7], cells[8], cells[9]):
+        ms, rate = product.split(" (")
+        assert float(ms) > 0 and rate.endswith("GB/s)") and float(rate.split()[0]) > 0, out
+    assert cells[10].endswith(f"({os.cpu_count()} threads)"), out
 
 
 def test_stream_ceiling_reports_every_loop_beside_the_read_rate(tmp_path):

@@ -186,3 +186,32 @@ def test_python_threads_run_during_a_compiled_run(random_dirs):
     inside = [t for t in stamps if t0 <= t <= t0 + took]
     gaps = [b - a for a, b in zip(inside, inside[1:])]
     assert took > 0.01 and len(inside) > 3 and max(gaps) < took / 2, (took, len(inside), max(gaps, default=None))
+
+
+def test_the_phase_clock_times_each_thread_and_phase_only_when_on(random_dirs):
+    """The fused step's phase clock (csrc/team.h, bench/step_phases.py): on, a run of 6 steps counts 6 steps, every
+    thread of the step's team gets work in each of a block's six phases, and a thread's work and waits fit inside the
+    steps' parallel regions; off, nothing is counted; the tokens are the same either way."""
+    rank = build(random_dirs["gqa12x4"], kv=KVBudget(SLOTS, MAX_LEN, CHUNK))
+    if rank.ops is None or not hasattr(rank.ops, "step_phases"):
+        pytest.skip("the compiled kernels are not available here")
+    greedy, got = SamplingParams(), []
+    for on in (True, False):
+        runner = SlotRunner(rank, ParallelContext())
+        runner.run(Step(0, (SlotStart(0, 0),), (Prefill(0, (5, 6, 7), 0, True, greedy),), ()))
+        rank.ops.step_phases(on)
+        try:
+            res = runner.run(Step(1, (), (), (Decode(0, None, 3, greedy),), 6))
+            times, region, steps = rank.ops.step_phase_times()
+        finally:
+            rank.ops.step_phases(False)
+        got.append([res.slots[0].token] + [run[0].token for run in res.later])
+        if not on:
+            assert steps == 0 and region == 0 and not times.any()
+            continue
+        team = torch.get_num_threads()
+        assert steps == 6 and region > 0
+        assert (times[:team, :6, 0] > 0).all(), times[:team, :6]
+        assert not times[team:].any() and not times[:, 6:].any()
+        assert (times[:team, :6].sum(dim=(1, 2)) <= region * 1.01 + 1e-4).all()
+    assert got[0] == got[1]

@@ -382,7 +382,26 @@ torch::Tensor decode_logits(const shardlm::DecodeStack& stack, const GreedyModel
                      positions.to(torch::kLong).contiguous(), window);
 }
 
+// The fused step's phase clock (team.h): on (from zero) or off; and its times, (threads, phases, 2) seconds of work
+// and wait, with the seconds inside the steps' parallel regions and the steps counted.
+static void step_phases(bool on) {
+  shardlm::phase_clock().reset();
+  shardlm::phase_clock().on.store(on);
+}
+static std::tuple<torch::Tensor, double, int64_t> step_phase_times() {
+  using shardlm::PhaseClock;
+  const PhaseClock& c = shardlm::phase_clock();
+  auto out = torch::empty({PhaseClock::THREADS, PhaseClock::PHASES, 2}, torch::kDouble);
+  auto a = out.accessor<double, 3>();
+  for (int t = 0; t < PhaseClock::THREADS; ++t)
+    for (int p = 0; p < PhaseClock::PHASES; ++p) a[t][p][0] = c.work[t][p], a[t][p][1] = c.wait[t][p];
+  return {out, c.region, c.steps};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("step_phases", &step_phases, "turn the fused decode step's phase clock on (from zero) or off", py::arg("on"));
+  m.def("step_phase_times", &step_phase_times, "the phase clock's (threads, phases, 2) seconds of work and wait, "
+        "seconds inside the steps' parallel regions, steps");
   m.def("gemv", &gemv, "decode matrix-vector product");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(dim=-1)", py::arg("logits"));
   m.def("draw_rows", &draw_rows, "each row's inverse-CDF draw, as runtime/sampling.py's draw", py::arg("probs"),

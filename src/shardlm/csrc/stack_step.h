@@ -1,7 +1,7 @@
 // One decode step of every block of a one-rank model in a single parallel region (team.h): the threads run the
 // whole step together and meet at a barrier where a phase needs the others' results, six times a block (after the
 // q/k/v products, after rotary and the cache writes, after attention, after the o product, after the gated
-// activation and after the down product).
+// activation and after the down product: the phases of Phase, which team.h's phase clock times when asked).
 //
 // Per value the arithmetic is the fused halves' (decode.h), in the same order, so the output is theirs bit for bit:
 // each thread takes a fixed share of each product's rows (a row's sum does not depend on who computes it), the norms
@@ -69,6 +69,9 @@ inline std::pair<int64_t, int64_t> product_share(std::initializer_list<std::pair
   return {lo, hi};
 }
 
+// The phases of a block, each ended by a barrier (the phase clock's indices: kernels.cpp's step_phase_times).
+enum Phase : int { QKV = 0, ROTARY = 1, ATTEND = 2, OUT = 3, GATE_UP = 4, DOWN = 5 };
+
 inline float round_to(float v, float) { return v; }
 inline float round_to(float v, uint16_t) { return bf16_to_float(store<uint16_t>(v)); }
 
@@ -96,6 +99,7 @@ class StackStep {
   // Every block, then x (b, dim) in the model's dtype.
   torch::Tensor run() {
     std::atomic<bool> short_team{false};
+    const double t0 = team_.timed() ? PhaseClock::now() : 0.0;
     if (team_.size() == 1) {
       thread(0);
     } else {
@@ -107,6 +111,7 @@ class StackStep {
           thread(omp_get_thread_num());
       }
     }
+    if (team_.timed()) phase_clock().region += PhaseClock::now() - t0, phase_clock().steps += 1;
     if (short_team.load())
       return StackStep<W>(blocks_, x_, cos_in_, sin_in_, rows_in_, pos_in_, mask_in_, caches_, 1).run();
     team_.rethrow();
@@ -129,6 +134,7 @@ class StackStep {
 
   void thread(int64_t tid) {
     try {
+      team_.start(tid);
       Scratch s;
       s.xn.resize(b_ * std::max(dim_, std::max(nq_, inter_)));
       s.p.resize(MAX_GROUP * std::max<int64_t>(t_, 1));
@@ -258,17 +264,17 @@ bool StackStep<W>::attention(size_t i, int64_t tid, Scratch& s) {
   norm_input(xs_.data(), blk.ln1f, blk.eps1, blk.q, s);
   product_share<W>({{&blk.q, q_.data()}, {&blk.k, k_.data()}, {&blk.v, v_.data()}}, s.xn.data(), s.xq, dim_, b_,
                    false, tid, team);
-  if (!team_.sync()) return false;
+  if (!team_.sync(tid, QKV)) return false;
   rotate_share(blk, i, tid);
-  if (!team_.sync()) return false;
+  if (!team_.sync(tid, ROTARY)) return false;
   const AttnPlan& plan = plans_[plan_of_[i]];
   const torch::Tensor& kc = caches_[i].first;
   if (tid < plan.parts)
     attend_parts<W>(plan, tid, tid + 1, q_.data(), data<W>(kc), data<W>(caches_[i].second), mask_, heads_.data(),
                     nq / hd_, kc.size(1), hd_, kc.size(2), t_, s.p.data());
-  if (!team_.sync()) return false;
+  if (!team_.sync(tid, ATTEND)) return false;
   output_share(blk.o, heads_.data(), nq, xs_.data(), blk.bo, hs_.data(), tid, s);
-  return team_.sync();
+  return team_.sync(tid, OUT);
 }
 
 // This thread's share of the step's heads (row j's query heads, then its KV heads): the biases added, rotary
@@ -319,9 +325,9 @@ bool StackStep<W>::mlp(const StackBlock& blk, int64_t tid, Scratch& s) {
     if (bu) for (int64_t c = r0; c < r1; ++c) a[c] += bu[c];
     silu_mul(a + r0, g + r0, r1 - r0);
   }
-  if (!team_.sync()) return false;
+  if (!team_.sync(tid, GATE_UP)) return false;
   output_share(blk.down, act_.data(), n, hs_.data(), blk.bd, xs_.data(), tid, s);
-  return team_.sync();
+  return team_.sync(tid, DOWN);
 }
 
 }  // namespace shardlm

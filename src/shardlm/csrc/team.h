@@ -12,19 +12,70 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <mutex>
 #include <thread>
 #include <utility>
+#include <vector>
 
 namespace shardlm {
 
+// Where the fused decode step's threads spend their time, phase by phase: seconds of work before each phase's
+// barrier and of waiting in it, per thread, summed over steps. Off unless turned on (kernels.cpp's step_phases,
+// bench/step_phases.py); a step reads the switch once, and with it off a barrier costs one branch more. Read and
+// reset only while no step runs.
+struct PhaseClock {
+  static constexpr int THREADS = 64, PHASES = 8;
+  std::atomic<bool> on{false};
+  double work[THREADS][PHASES] = {}, wait[THREADS][PHASES] = {};
+  double region = 0;  // seconds inside the steps' parallel regions, as the calling thread saw them
+  int64_t steps = 0;
+
+  static double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  void reset() {
+    for (int t = 0; t < THREADS; ++t)
+      for (int p = 0; p < PHASES; ++p) work[t][p] = wait[t][p] = 0;
+    region = 0, steps = 0;
+  }
+};
+
+inline PhaseClock& phase_clock() {
+  static PhaseClock clock;
+  return clock;
+}
+
 class Team {
  public:
-  explicit Team(int64_t size) : size_(size) {}
+  explicit Team(int64_t size)
+      : size_(size), timed_(phase_clock().on.load(std::memory_order_relaxed) && size <= PhaseClock::THREADS) {
+    if (timed_) marks_.assign(size_ * 8, 0.0);  // a line apart: each thread writes its own
+  }
 
   int64_t size() const { return size_; }
+  bool timed() const { return timed_; }
+
+  // Thread tid starts its work (the phase clock's first mark).
+  void start(int64_t tid) {
+    if (timed_) marks_[tid * 8] = PhaseClock::now();
+  }
+
+  // sync(), with the time since thread tid's last mark counted as phase `phase`'s work and the wait as its wait
+  // (when the phase clock is on).
+  bool sync(int64_t tid, int phase) {
+    if (!timed_) return sync();
+    PhaseClock& clock = phase_clock();
+    const double arrived = PhaseClock::now();
+    const bool ok = sync();
+    const double left = PhaseClock::now();
+    clock.work[tid][phase] += arrived - marks_[tid * 8];
+    clock.wait[tid][phase] += left - arrived;
+    marks_[tid * 8] = left;
+    return ok;
+  }
 
   // Wait until every thread of the team has arrived; false when a thread has failed (stop working then).
   bool sync() {
@@ -62,6 +113,8 @@ class Team {
  private:
   static constexpr int64_t SPINS = 4000;  // about 0.1 ms of pause instructions, then yield
   int64_t size_;
+  bool timed_;
+  std::vector<double> marks_;  // thread t's last mark at [8 t]
   alignas(64) std::atomic<int64_t> arrived_{0};
   alignas(64) std::atomic<int64_t> generation_{0};
   alignas(64) std::atomic<bool> failed_{false};
