@@ -216,7 +216,7 @@ __attribute__((always_inline)) inline void add_tail(const int8_t* w, const int16
 
 // One (weight row, activation row) pair of an `exact` weight: dot_q8_scalar's block terms, float(the block's int32
 // sum) * its scale, added in double; EXACT_GROUP blocks' integer sums finished together, or with interleaved codes
-// (x.interleaved) a whole group's at once. `ahead` (or null): w's bytes STREAM_AHEAD on (the weight's rows lie one
+// (x.interleaved) a whole group's at once. `ahead` (or null): w's bytes EXACT_AHEAD on (the weight's rows lie one
 // after another, so one address stream), asked for a cache line at a time.
 __attribute__((always_inline)) inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j,
                                                         const int8_t* ahead) {
@@ -272,16 +272,21 @@ inline double exact_pair(const int8_t* w, const QuantRows& x, int64_t j, const i
 #endif
 
 // Rows [lo, hi) of an `exact` weight against every activation row (see the top of this file): a pair at a time,
-// the first activation row's pass asking for the bytes STREAM_AHEAD on, as row_sums does (where it had asked for
-// the row PREFETCH_ROWS on, every product summed exact at batch 1 took 1.04-1.07x the time from memory:
-// bench/products_vs_commit.py --exact, RESULTS.md stop 53).
+// the first activation row's pass asking for the bytes EXACT_AHEAD on (where it had asked for the row PREFETCH_ROWS
+// on, every product summed exact at batch 1 took 1.04-1.07x the time from memory: bench/products_vs_commit.py
+// --exact, RESULTS.md stop 53). 12 KB, not row_sums' STREAM_AHEAD: in a fused int8 step, where the VM read 60-66
+// GB/s, the down products took 0.69-0.74 ms a token at 4 KB (36-39 GB/s), 0.66-0.68 at 8 KB and 0.61-0.67 at 12 KB
+// (40-44 GB/s), level at 35 GB/s (bench/step_phases.py, RESULTS.md stop 60).
+#if defined(__AVX2__)
+constexpr int64_t EXACT_AHEAD = 3 * STREAM_AHEAD;
+#endif
 template <typename T>
 inline void exact_rows(const int8_t* w, int64_t ldw, const float* scale, const QuantRows& x, T* y, int64_t n,
                        int64_t b, int64_t lo, int64_t hi) {
   for (int64_t r = lo; r < hi; ++r)
     for (int64_t j = 0; j < b; ++j) {
 #if defined(__AVX2__)
-      const int8_t* ahead = j == 0 ? w + r * ldw + STREAM_AHEAD : nullptr;
+      const int8_t* ahead = j == 0 ? w + r * ldw + EXACT_AHEAD : nullptr;
 #else
       const int8_t* ahead = nullptr;
 #endif

@@ -214,7 +214,7 @@ inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, Quan
 constexpr int64_t PREFETCH_ROWS = 16;
 // An int8 tile of one activation row on a 512-bit build walks its weight rows one after another (row_sums) and asks
 // for the line STREAM_AHEAD bytes past the one it reads (stream_prefetch); so do the exact rows (qexact.h) on every
-// vector build. Into L2 (prefetcht1), not L1: on a Zen 4 host the L1 hint (prefetcht0) 4 KB ahead had held such a
+// vector build, EXACT_AHEAD (12 KB) past. Into L2 (prefetcht1), not L1: on a Zen 4 host the L1 hint (prefetcht0) 4 KB ahead had held such a
 // stream near 30 GB/s on two threads, no faster than no hint, where the L2 hint ran 1.15-1.45x faster over 138-276 MB
 // of int8 rows from memory (scratch C++, 2026-11-29), and a batch-1 int8 decode step took 0.81-0.91x the time
 // in-process (four A/B runs, RESULTS.md stop 55). The int4 tiles (q4tiles.h) keep their L1 hint: with the L2 one a
