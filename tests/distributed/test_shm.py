@@ -1,9 +1,9 @@
-"""ShmCollectives across real spawned processes: sums, bitwise agreement, uneven gathers, dead peers."""
+"""ShmCollectives across real rank processes (forked from the ranks' fork server): sums, bitwise agreement,
+uneven gathers, dead peers."""
 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -15,6 +15,7 @@ import uuid
 import pytest
 import torch
 
+from shardlm.parallel.launch import rank_context
 from shardlm.parallel.shm import ShmCollectives
 
 JOIN_TIMEOUT_S = 120.0
@@ -29,10 +30,10 @@ def _entry(fn, rank: int, world: int, args: tuple, results) -> None:
 
 
 def run_ranks(fn, world: int, *args, dead: set = frozenset(), timeout_s: float = JOIN_TIMEOUT_S) -> list:
-    """Run fn(rank, world, *args) in `world` spawned processes; return results by rank (None for the
-    ranks in `dead`, which are expected to die) or fail with every rank's traceback. Every wait has a
-    deadline; stragglers are killed."""
-    ctx = mp.get_context("spawn")
+    """Run fn(rank, world, *args) in `world` processes forked from the ranks' fork server; return results by
+    rank (None for the ranks in `dead`, which are expected to die) or fail with every rank's traceback. Every
+    wait has a deadline; stragglers are killed."""
+    ctx = rank_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, args, results), daemon=True)
              for r in range(world)]

@@ -1,0 +1,58 @@
+"""run_on_ranks: ranks forked from a server that imported torch once, each with its threads, rank and group,
+and a failing or vanished rank reported by number."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from shardlm.parallel.launch import RanksFailed, rank_context, run_on_ranks
+
+
+def _describe(rank: int, world: int) -> tuple:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    return rank, world, torch.get_num_threads(), int(total), os.getpid()
+
+
+def _raise_on_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError(f"rank {rank} was told to fail")
+    return rank
+
+
+def _exit_on_one(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(3)
+    import torch.distributed as dist
+
+    dist.barrier()  # never passes: rank 1 is gone
+    return rank
+
+
+def test_gloo_ranks_fork_from_the_server_and_nccl_ranks_are_spawned():
+    assert rank_context().get_start_method() == "forkserver"
+    assert rank_context("nccl").get_start_method() == "spawn"
+
+
+@pytest.mark.parametrize("world,threads", [(3, 1), (2, 2)])
+def test_each_rank_has_its_rank_threads_and_group(world, threads):
+    got = run_on_ranks(_describe, world, timeout_s=120, threads=threads)
+    assert [g[:4] for g in got] == [(r, world, threads, world * (world + 1) // 2) for r in range(world)]
+    assert len({g[4] for g in got} | {os.getpid()}) == world + 1  # a process of its own each
+
+
+def test_a_raising_rank_is_reported_with_its_number_and_traceback():
+    with pytest.raises(RanksFailed) as err:
+        run_on_ranks(_raise_on_one, 2, timeout_s=60)
+    assert "--- rank 1 ---" in str(err.value) and "ValueError: rank 1 was told to fail" in str(err.value)
+
+
+def test_a_rank_that_exits_is_named_with_its_exit_code():
+    with pytest.raises(RanksFailed) as err:
+        run_on_ranks(_exit_on_one, 2, timeout_s=60)
+    assert "--- rank 1 ---\ndied with exit code 3" in str(err.value)
