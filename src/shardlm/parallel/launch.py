@@ -111,8 +111,9 @@ def rank_context(backend: str = "gloo") -> mp.context.BaseContext:
 
     gloo ranks fork from a fork server that has imported torch once: a spawned rank imports torch afresh (1.7 s
     for two ranks, 3.5 s for four, of a 2-core VM's time, against 0.07 and 0.11 s forked; measured 2026-12-07). The
-    server only imports, so no OpenMP pool exists to be forked. NCCL ranks are spawned, a fresh interpreter each,
-    so that CUDA is initialised in no process they fork from.
+    server only imports, so no OpenMP pool exists to be forked. A forked rank sees the environment the server
+    started with (at the first call), not later changes to the environment. NCCL ranks are spawned, a fresh interpreter
+    each, so that CUDA is initialised in no process they fork from.
     """
     if backend == "nccl":
         return mp.get_context("spawn")
@@ -123,7 +124,7 @@ def rank_context(backend: str = "gloo") -> mp.context.BaseContext:
 
 def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 300.0,
                  threads: int | None = None, backend: str = "gloo") -> list[Any]:
-    """Call `fn(rank, world, *args)` in `world` spawned processes joined in a `backend` group
+    """Call `fn(rank, world, *args)` in `world` processes (`rank_context`) joined in a `backend` group
     (gloo, or nccl with rank r on GPU r).
 
     `fn` must be importable (module level). Returns the results in rank order; raises RanksFailed
