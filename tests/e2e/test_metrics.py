@@ -162,8 +162,13 @@ def test_ranks_report_while_a_request_decodes_and_its_tokens_do_not_change(serve
     /metrics grow between two scrapes taken while a request runs, and its tokens equal the same request run
     with nobody scraping."""
     s, _ = served
-    # 400 tokens: long enough for two scrapes 1.2 s apart on a host that decodes ~150 tok/s at tp 2 (100 were not)
-    body = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    body = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    t0 = time.monotonic()
+    assert s.post("/v1/completions", body).status_code == 200
+    rate = 32 / (time.monotonic() - t0)  # tokens a second, the prefill included
+    # about 5 s of decoding, where two scrapes 1.2 s apart fit with room: a host decoding 25 tok/s at tp 2 asks for
+    # about 100 tokens, one decoding 150 for the 400 every host was asked for before (100 were not enough there)
+    body["max_tokens"] = int(min(400, max(80, 5 * rate)))
     box: dict = {}
     worker = threading.Thread(target=lambda: box.update(res=s.post("/v1/completions", body)))
     worker.start()
@@ -175,7 +180,7 @@ def test_ranks_report_while_a_request_decodes_and_its_tokens_do_not_change(serve
         running.append(_value(m, "shardlm_requests_running", model_name=NAME))
         counts.append(_value(m, "shardlm_stage_step_seconds_count", stage="0"))
     worker.join(timeout=120)
-    assert len(counts) == 2 and running == [1, 1], (counts, running, "the request ended before two scrapes")
+    assert len(counts) == 2 and running == [1, 1], (counts, running, body["max_tokens"], "ended before two scrapes")
     assert counts[1] > counts[0], counts
     alone = s.post("/v1/completions", body)
     assert box["res"].json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]

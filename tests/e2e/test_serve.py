@@ -176,6 +176,28 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(server):
     assert other_seed != first  # the seed is honoured, not ignored
 
 
+def _shared_tokens(server: Server) -> float:
+    """shardlm_prompt_tokens_shared_total on /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("shardlm_prompt_tokens_shared_total{"))
+
+
+def test_n_choices_compute_their_prompt_once_and_each_writes_what_its_seed_writes_alone(server):
+    """n = 4 choices of one prompt (the scheduler's prefix sharing: the copies take its keys and values from the first
+    choice's slot, /metrics counts the tokens): choice j's text is a lone request's with seed + j."""
+    prompt = "The history of the Roman Empire begins with the founding of the city, which the legends date to 753 BC"
+    before = _shared_tokens(server)
+    body = {"temperature": 0.9, "seed": 77}
+    res = server.post("/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 12, "ignore_eos": True,
+                                          "n": 4, **body})
+    assert res.status_code == 200, res.text
+    got = sorted(res.json()["choices"], key=lambda c: c["index"])
+    alone = [_complete(server, prompt, 12, **{**body, "seed": 77 + j})["choices"][0]["text"] for j in range(4)]
+    assert [c["text"] for c in got] == alone and len(set(alone)) > 1
+    assert _shared_tokens(server) - before >= 3 * 16  # three copies of a prompt of more than 18 tokens
+
+
 def test_cancelled_stream_frees_its_slot(server):
     before = server.stats()["finished"].get("cancelled", 0)
     body = {"model": NAME, "prompt": "Count to one thousand:", "max_tokens": 200, "ignore_eos": True, "stream": True}

@@ -11,7 +11,7 @@ CHUNK = 16
 def _chunks(lengths: list[int], anchored: bool, slots: int = 4, steps: int = 20) -> list[list[tuple[int, int, int]]]:
     """Per step, the (request index, start, length) of each prompt chunk the scheduler plans (no decoding)."""
     s = Scheduler(slots, 256, CHUNK, eos_ids=(), anchored=anchored)
-    reqs = [Request([5] * n, GenerationParams(max_tokens=0)) for n in lengths]
+    reqs = [Request([i + 1] * n, GenerationParams(max_tokens=0)) for i, n in enumerate(lengths)]  # no common prefix
     for r in reqs:
         s.add(r)
     index = {}
@@ -51,6 +51,15 @@ def test_unanchored_chunks_fill_each_steps_budget():
     assert steps[1] == [(1, 6, 16)]
     assert all(sum(n for _, _, n in step) == CHUNK for step in steps[:3])
     assert sum(n for step in steps for _, _, n in step) == 57
+
+
+def test_an_unanchored_chunk_never_leaves_one_token_for_the_next():
+    """A last chunk of one token runs as a decode row, whose sums are ordered otherwise than a prefill's: its
+    prompt's first token would depend on the prompts before it. The chunk before leaves it two, or waits."""
+    steps = _chunks([14, 3], anchored=False)
+    assert steps[0] == [(0, 0, 14), (1, 0, 1)] and steps[1] == [(1, 1, 2)]
+    steps = _chunks([15, 2], anchored=False)
+    assert steps[0] == [(0, 0, 15)] and steps[1] == [(1, 0, 2)]
 
 
 def test_a_cpu_engine_fills_the_budget_and_the_setting_reads_from_the_environment(random_dirs):

@@ -154,6 +154,9 @@ class Request:
     """The KV-cache slot it holds while admitted."""
     prefilled: int = 0
     """Prompt tokens sent to its slot's cache (in a step that ran, or one under way)."""
+    shared: int = 0
+    """Of those, tokens whose keys and values were copied from another request's slot (Scheduler's prefix
+    sharing) instead of computed."""
     output_ids: list[int] = field(default_factory=list)
     pending: int = 0
     """Tokens asked of steps under way whose results the driver has not applied yet (see Scheduler)."""

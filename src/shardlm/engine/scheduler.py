@@ -1,15 +1,16 @@
 """Iteration-level scheduling on the driver: admit and retire requests at every step boundary.
 
-Each step the scheduler (1) retires cancelled requests and frees their slots, (2) admits waiting
-requests into free KV-cache slots, first come first served, (3) gives every running request whose
-prompt is in the cache one decode token, and (4) spends the step's prefill budget (the Plan's
-`kv_cache.prefill_chunk` tokens) on pending prompts in admission order, a chunk at a time. So a long
-prompt delays the running streams by at most one chunk per step, and the KV cache is the Plan's
-`max_batch` slots of `max_seq_len` tokens, allocated once on the ranks and reused. Chunks fill the step's budget
-(a prompt's chunk may be cut short by what the prompts before it took), unless `anchored`: then a prompt's chunks
-are its own `[k * prefill_chunk, (k + 1) * prefill_chunk)` whatever else is pending, and a chunk that does not fit
-what is left of the budget waits for the next step (later, shorter ones may fill the gap; the first prompt still
-prefilling always fits). The engine anchors chunks where the ranks run each chunk in a pass of its own (one GPU,
+Each step the scheduler (1) retires cancelled requests and frees their slots, (2) admits waiting requests into free
+KV-cache slots, first come first served, (3) gives every running request whose prompt is in the cache one decode
+token, and (4) spends the step's prefill budget (the Plan's `kv_cache.prefill_chunk` tokens) on pending prompts in
+admission order, a chunk at a time. So a long prompt delays the running streams by at most one chunk per step, and
+the KV cache is the Plan's `max_batch` slots of `max_seq_len` tokens, allocated once on the ranks and reused. Chunks
+fill the step's budget (a prompt's chunk may be cut short by what the prompts before it took, but never leaves one
+token for the next: a chunk of one token runs as a decode row, whose sums are ordered otherwise, so the prompt's
+first token would depend on the other prompts), unless `anchored`: then a prompt's chunks are its own `[k *
+prefill_chunk, (k + 1) * prefill_chunk)` whatever else is pending, and a chunk that does not fit what is left of the
+budget waits for the next step (later, shorter ones may fill the gap; the first prompt still prefilling always
+fits). The engine anchors chunks where the ranks run each chunk in a pass of its own (one GPU,
 SHARDLM_BATCH_INVARIANT): a GPU's products pick their kernels by shape, so a chunk's prefill numbers then do not
 depend on the other requests.
 
@@ -31,6 +32,16 @@ max_seq_len, and tokens a row sampled after its ending (end of sequence, a stop 
 row of a pipelined step is. A request cancelled while its run is under way gets the run's first token, as it would
 from a single step, and no more; tokens applied before the cancellation stand (a request whose run reached its
 max_tokens before it was cancelled ends with "length").
+
+Prompts share their common prefixes: where another running request's slot holds the keys and values of a prompt's
+next tokens already (the n choices of one call, a system prompt many requests begin with), the step copies them from
+slot to slot (Step.copies, run before its prefills) instead of computing them again, and the prompt's prefill goes
+on from there; at least its last two tokens are its own (the last one's logits give its first token). A prompt whose
+next MIN_SHARED tokens or more another request computes in the same step waits for the next step and copies them.
+Copied keys and values are the bits the request's own prefill would write (a position's keys and values depend on
+the tokens up to it only, and a prefill chunk's rows do not depend on where the chunk starts); with anchored chunks
+the copy ends on a chunk boundary, so every chunk a prompt computes is the one it would compute alone. A request
+that asks for its prompt's logprobs (echo) computes its whole prompt.
 """
 
 from __future__ import annotations
@@ -40,7 +51,10 @@ import time
 from collections import deque
 
 from shardlm.engine.requests import Request, TokenEvent
-from shardlm.runtime.work import Decode, Prefill, Sampled, SlotStart, Step, StepResult
+from shardlm.runtime.work import Decode, Prefill, Sampled, SlotCopy, SlotStart, Step, StepResult
+
+MIN_SHARED = 16
+"""Fewest prompt tokens worth copying from another request's slot, or waiting a step for (prefix sharing)."""
 
 
 class Scheduler:
@@ -53,6 +67,9 @@ class Scheduler:
         """At most this many decode tokens a row in one step, when no prompt waits (see the module docstring)."""
         self.anchored = anchored
         """Prompt chunks start at multiples of `prefill_chunk` (see the module docstring)."""
+        self.share_prefixes = True
+        """Prompts copy the prefixes other requests' slots hold (see the module docstring); off: each computes its
+        own (bench/prefix_sharing.py compares the two)."""
         self.free = list(range(slots - 1, -1, -1))  # pop() takes the lowest slot
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -89,11 +106,11 @@ class Scheduler:
         rows = [r for r in self.running if self._may_decode(r)]
         repeat = self._repeat(rows)
         decodes = tuple(self._decode(r, repeat) for r in rows)  # before the prefills move on
-        prefills = self._prefills()
+        prefills, copies = self._prefills()
         self.step_id += 1
         if prefills or decodes:
             self._owners[self.step_id] = {r.slot: r for r in self.running}
-        return Step(self.step_id, tuple(starts), prefills, decodes, repeat)
+        return Step(self.step_id, tuple(starts), prefills, decodes, repeat, copies=copies)
 
     def _repeat(self, rows: list[Request]) -> int:
         """Decode runs for this step: 1 while a prompt waits or is prefilling, else up to `decode_run`, as far as
@@ -137,19 +154,29 @@ class Scheduler:
             starts.append(SlotStart(r.slot, r.params.seed))
         return starts
 
-    def _prefills(self) -> tuple[Prefill, ...]:
-        """This step's prompt chunks, in admission order, within the budget (see the module docstring)."""
-        budget, out = self.prefill_chunk, []
+    def _prefills(self) -> tuple[tuple[Prefill, ...], tuple[SlotCopy, ...]]:
+        """This step's prompt chunks, in admission order, within the budget (see the module docstring), and the
+        prompt prefixes copied from slot to slot before them."""
+        budget, out, copies = self.prefill_chunk, [], []
+        ready = {id(s): s.prefilled for s in self.running}  # what the steps before this one write
         for r in self.running:
             if budget <= 0:
                 break
             if r.done_prefill or r.finish_reason is not None:
                 continue
-            left = len(r.prompt_ids) - r.prefilled
+            src, shared, wait = self._share(r, ready)
+            if wait:
+                continue  # a prompt planned before it in this step computes its next tokens: copy them next step
+            left = len(r.prompt_ids) - shared
             n = min(self.prefill_chunk, left) if self.anchored else min(budget, left)
-            if n > budget:
+            if not self.anchored and left - n == 1:
+                n -= 1  # a last chunk of one token would run as a decode row (other sums): leave it two
+            if n <= 0 or n > budget:
                 continue  # anchored: its next chunk waits for a step with room for all of it
-            start, end = r.prefilled, r.prefilled + n
+            if src is not None:
+                copies.append(SlotCopy(src.slot, r.slot, r.prefilled, shared))
+                r.shared += shared - r.prefilled
+            start, end = shared, shared + n
             last = end == len(r.prompt_ids)
             p = r.params
             out.append(Prefill(r.slot, tuple(r.prompt_ids[start:end]), start, last and p.max_tokens > 0,
@@ -158,7 +185,30 @@ class Scheduler:
             r.prefilled = end
             r.pending += out[-1].sample
             budget -= n
-        return tuple(out)
+        return tuple(out), tuple(copies)
+
+    def _share(self, r: Request, ready: dict[int, int]) -> tuple[Request | None, int, bool]:
+        """Prefix sharing for r's next tokens (see the module docstring): (the request whose slot holds the most of
+        them after the steps before this one, or None; where r's prefill goes on from; whether r waits a step
+        because a request planned before it in this step computes MIN_SHARED of them or more)."""
+        none = (None, r.prefilled, False)
+        if not self.share_prefixes or (r.params.echo and r.params.logprobs is not None):
+            return none
+        limit = len(r.prompt_ids) - 2  # its last two tokens are its own (a chunk of one runs as a decode row)
+        src, best, coming = None, r.prefilled, r.prefilled
+        for s in self.running:
+            have, will = ready.get(id(s), 0), s.prefilled
+            if s is r or s.finish_reason is not None or min(limit, will) - r.prefilled < MIN_SHARED:
+                continue
+            common = _common_prefix(r.prompt_ids, s.prompt_ids, min(limit, will))
+            if self.anchored:
+                common -= common % self.prefill_chunk
+            if min(common, have) > best:
+                src, best = s, min(common, have)
+            coming = max(coming, common)
+        if best - r.prefilled >= MIN_SHARED:
+            return src, best, False
+        return None, r.prefilled, coming - r.prefilled >= MIN_SHARED
 
     def apply(self, step: Step, result: StepResult, tokenizer) -> list[Request]:
         """Record what a step produced; returns the requests that finished (their slots are free again)."""
@@ -245,6 +295,20 @@ class Scheduler:
         self.waiting.clear()
         self._owners.clear()
         self.release()
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of a's and b's common prefix, at most `limit` (a binary search over list slices)."""
+    lo, hi = 0, max(0, min(limit, len(a), len(b)))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi - 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _with_seed(params, seed: int):

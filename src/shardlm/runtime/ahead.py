@@ -77,8 +77,8 @@ class RunAhead:
     def accepts(self, step: Step) -> bool:
         """Whether `step` can run ahead: decode rows only, all greedy without logprobs, no counters asked for, on
         the rank that reports tokens, with graphs that have not failed."""
-        return (not step.starts and not step.prefills and bool(step.decodes) and not step.report_stats
-                and step.repeat == 1
+        return (not step.starts and not step.prefills and not step.copies and bool(step.decodes)
+                and not step.report_stats and step.repeat == 1
                 and self.runner.reports and not self.graphs.failed
                 and all(d.params.temperature == 0 and d.logprobs is None for d in step.decodes))
 

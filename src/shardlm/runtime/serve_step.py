@@ -157,6 +157,8 @@ class SlotRunner:
         for s in step.starts:
             self.generators[s.slot] = torch.Generator().manual_seed(s.seed)
             self.sampled.pop(s.slot, None)
+        for c in step.copies:
+            self.cache.copy(c.src, c.dst, c.start, c.end)
         out: dict[int, Sampled] = {}
         later: list[dict[int, Sampled]] = []
         try:
@@ -192,7 +194,7 @@ class SlotRunner:
     def _compiled(self, step: Step) -> list[list[int]] | None:
         """Every run's tokens (repeat, rows) of a step of greedy decode rows only, from one compiled call; None where
         the step has prompts or slots to start, or the rank or the rows do not take the call."""
-        if self.greedy is None or step.starts or step.prefills or not step.decodes:
+        if self.greedy is None or step.starts or step.prefills or step.copies or not step.decodes:
             return None
         decodes = list(step.decodes)
         return self.greedy.tokens(decodes, [self.fed_token(d) for d in decodes], 0, step.repeat)

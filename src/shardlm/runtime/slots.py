@@ -33,6 +33,16 @@ class SlotCache:
         """Bytes held by the cache tensors."""
         return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
 
+    def copy(self, src: int, dst: int, start: int, end: int) -> None:
+        """Keys and values at positions [start, end) of slot `src` into slot `dst`, in every layer this rank runs
+        (a prompt prefix another request computed: the same bits the `dst` request's own prefill would write)."""
+        if not (0 <= src < self.slots and 0 <= dst < self.slots and src != dst and 0 <= start <= end <= self.max_len):
+            raise ValueError(f"KV cache copy of positions [{start}, {end}) from slot {src} to slot {dst}: the cache "
+                             f"has {self.slots} slots of {self.max_len} tokens (the driver sent a bad step)")
+        for layers in (self.k, self.v):
+            for t in layers.values():
+                t[dst, :, start:end].copy_(t[src, :, start:end])
+
     def prefill(self, slot: int, start: int, length: int) -> "SlotRun":
         """The cache for a chunk of `length` tokens of `slot` at positions [start, start + length)."""
         return SlotRun(self, [slot], [start], length)

@@ -40,6 +40,17 @@ class Prefill:
 
 
 @dataclass(frozen=True)
+class SlotCopy:
+    """Keys and values at positions [start, end) of slot `src` copied into slot `dst` before the step's prefills:
+    a prompt prefix another request's slot holds already (engine/scheduler.py's prefix sharing)."""
+
+    src: int
+    dst: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class Decode:
     """One new token of a running request: `token` goes in at `position` of `slot` and the next is sampled.
     `token` None: the token the ranks sampled for this slot in the step before, which the driver has not seen
@@ -66,6 +77,8 @@ class Step:
     report_stats: bool = False
     """Every rank sends its counters (`rank_stats`) after this step: a poll asked for them, and riding on a step
     costs no round trip of its own between two steps."""
+    copies: tuple[SlotCopy, ...] = ()
+    """Prompt prefixes copied from slot to slot first (each comes with a prefill of its `dst` in the same step)."""
 
     @property
     def empty(self) -> bool:

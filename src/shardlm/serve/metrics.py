@@ -55,6 +55,8 @@ class RequestMetrics:
         self.queue = hist("shardlm_request_queue_time_seconds", "Arrival to admission into a KV-cache slot.",
                           REQUEST_BUCKETS)
         self.prompt_tokens = count("shardlm_prompt_tokens", "Prompt tokens of finished requests.")
+        self.prompt_tokens_shared = count("shardlm_prompt_tokens_shared", "Of those, tokens whose keys and values "
+                                          "were copied from another request's KV-cache slot instead of computed.")
         self.generation_tokens = count("shardlm_generation_tokens", "Tokens generated.")
         self.finished = Counter("shardlm_request_finished", "Requests finished, by reason (stop, length, "
                                 "cancelled, error).", ["model_name", "finished_reason"], registry=registry)
@@ -74,6 +76,7 @@ class RequestMetrics:
         """`req` ended with `reason`."""
         self.e2e.observe(now - req.arrival)
         self.prompt_tokens.inc(len(req.prompt_ids))
+        self.prompt_tokens_shared.inc(req.shared)
         self.finished.labels(self.model_name, reason).inc()
 
 
