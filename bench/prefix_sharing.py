@@ -7,7 +7,8 @@ computed, and whether the tokens agree.
 One in-process engine (the bundled model, float32, --tp ranks, KV-cache slots for the most choices) takes, per
 case, `choices` requests of one random `--prompt-len`-token prompt submitted together (as `n` in one OpenAI call
 submits them), sampled at temperature 1 with seeds 0 .. n-1 for `--max-tokens` tokens. Sharing on, the copies
-compute the prompt once (engine/scheduler.py); off (Scheduler.share_prefixes False), each computes its own. Both
+compute the prompt once (engine/scheduler.py); off (Scheduler.share_prefixes False), each computes its own (every
+case starts from slots that keep no prompt: a prompt sent again is not what this measures). Both
 run in every round, alternating; the table gives medians over rounds of the seconds from submission to the last
 token. The tokens of every request must be the same either way (same seeds, same bits); the script exits 1 if not.
 """
@@ -32,7 +33,11 @@ def one_case(engine, prompt: list[int], n: int, max_tokens: int, share: bool) ->
     """Seconds from submitting n requests of `prompt` to the last token, prompt tokens computed, their tokens."""
     from shardlm.engine.requests import GenerationParams
 
+    deadline = time.monotonic() + 30
+    while engine.stats().running and time.monotonic() < deadline:  # the last case's requests released
+        time.sleep(0.01)
     engine.scheduler.share_prefixes = share
+    engine.scheduler.held.clear()  # no slot keeps the prompt from the case before: n choices, not a prompt sent again
     sink: queue.Queue = queue.Queue()
     t0 = time.perf_counter()
     reqs = [engine.submit(prompt, GenerationParams(max_tokens, 1.0, seed=s, ignore_eos=True), sink=sink)

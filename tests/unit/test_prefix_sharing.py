@@ -75,6 +75,44 @@ def test_no_copy_below_the_minimum_or_for_a_prompt_that_wants_its_logprobs():
     assert sum(n for ps, _ in steps for i, _, n in ps if i == 1) == 40
 
 
+def _prefill_all(s: Scheduler) -> list:
+    """Plan steps until no prompt is left to prefill; the steps."""
+    steps = []
+    while s.prompt_work() and len(steps) < 50:
+        steps.append(s.next_step())
+    return steps
+
+
+def test_a_slot_keeps_its_last_prompt_for_the_next_request_that_shares_it():
+    """A finished request's slot keeps its prompt: the next request that begins with it takes that slot and
+    prefills only what is new; a different prompt takes a slot that keeps nothing and computes all of it."""
+    s = Scheduler(3, 256, CHUNK, eos_ids=())
+    prompt = list(range(300, 340))
+    first, other = Request(prompt, GenerationParams(max_tokens=0)), Request(list(range(40)), GenerationParams(0))
+    s.add(other), s.add(first)
+    _prefill_all(s)
+    assert (other.slot, first.slot) == (0, 1)
+    first.finish_reason = "length"
+    s.release()
+    turn = Request(prompt + [7, 8, 9], GenerationParams(max_tokens=0))
+    again = Request(prompt, GenerationParams(max_tokens=0))
+    fresh = Request(list(range(900, 930)), GenerationParams(max_tokens=0))
+    for r in (fresh, turn):
+        s.add(r)
+    steps = _prefill_all(s)
+    assert (fresh.slot, turn.slot) == (2, 1) and (fresh.shared, turn.shared) == (0, 40)
+    planned = [(p.start, len(p.tokens)) for st in steps for p in st.prefills if p.slot == 1]
+    assert planned[0][0] == 40 and sum(n for _, n in planned) == 3 and not any(st.copies for st in steps)
+    s.add(again)  # no free slot: waits; then copies from a running request's or a kept slot's prompt
+    for r in (fresh, turn):
+        r.finish_reason = "length"
+    s.release()
+    steps = _prefill_all(s)
+    assert again.shared == 38 and [(p.start, len(p.tokens)) for st in steps for p in st.prefills] == [(38, 2)]
+    s.fail_all("a rank died")
+    assert not s.held  # what lost ranks held is not offered again
+
+
 @pytest.mark.parametrize("a, b, limit, want", [([1, 2, 3], [1, 2, 4], 9, 2), ([1, 2, 3], [1, 2, 3], 9, 3),
                                               ([1, 2, 3], [1, 2, 3], 1, 1), ([5], [6], 9, 0), ([], [1], 9, 0),
                                               (list(range(100)), list(range(63)) + [0], 99, 63)])
@@ -101,8 +139,9 @@ def _tokens(engine, prompts: list[list[int]], seeds: list[int]) -> tuple[list, l
 @pytest.mark.parametrize("layout", [{}, {"tp": 2}, {"pp": 2}], ids=["one rank", "tp2", "pp2"])
 def test_requests_that_share_a_prefix_sample_the_tokens_they_sample_alone(random_dirs, layout):
     """The engine's ranks: four samples of one prompt and a prompt that shares its first 30 tokens, submitted
-    together (so they copy from each other's slots), sample with their seeds what each samples alone, and every
-    token's logprobs are the same bits."""
+    together (so they copy from each other's slots) and then one by one (each takes a slot that kept the prompt),
+    sample with their seeds what each samples alone with sharing off, and every token's logprobs are the same
+    bits."""
     from refs import plan_for
     from shardlm.engine import LocalEngine
     from shardlm.plan.plan import KVBudget
@@ -114,7 +153,14 @@ def test_requests_that_share_a_prefix_sample_the_tokens_they_sample_alone(random
     plan, source = plan_for(random_dirs["gqa12x4"], kv=KVBudget(5, 96, CHUNK), **layout)
     with LocalEngine(plan, source, timeout_s=120) as engine:
         together, shared = _tokens(engine, prompts, seeds)
-        alone = [_tokens(engine, [p], [s])[0][0] for p, s in zip(prompts, seeds)]
+        later = [_tokens(engine, [p], [s]) for p, s in zip(prompts, seeds)]  # from the slots' kept prompts
+        # a conversation's next turn: the prompt, its answer, more; a slot keeps the prompt, not the answer's keys
+        turn = prompt + [t for t, _ in later[0][0][0]] + other[-5:]
+        (turn_tokens,), (turn_shared,) = _tokens(engine, [turn], [21])
+        engine.scheduler.share_prefixes = False
+        alone = [_tokens(engine, [p], [s])[0][0] for p, s in zip(prompts + [turn], seeds + [21])]
+    assert turn_shared == len(prompt) and turn_tokens == alone.pop()
     assert shared[0] == 0 and all(n >= MIN_SHARED for n in shared[1:]), shared  # not vacuous
-    assert together == alone
+    assert all(n >= MIN_SHARED for _, (n,) in later), later
+    assert together == alone and [t for (t,), _ in later] == alone
     assert len({tuple(t for t, _ in row) for row in together[:4]}) > 1  # the samples differ from each other

@@ -41,7 +41,11 @@ next MIN_SHARED tokens or more another request computes in the same step waits f
 Copied keys and values are the bits the request's own prefill would write (a position's keys and values depend on
 the tokens up to it only, and a prefill chunk's rows do not depend on where the chunk starts); with anchored chunks
 the copy ends on a chunk boundary, so every chunk a prompt computes is the one it would compute alone. A request
-that asks for its prompt's logprobs (echo) computes its whole prompt.
+that asks for its prompt's logprobs (echo) computes its whole prompt. A slot keeps the prompt its last request
+prefilled after that request ends, until its next request writes over it: a waiting request takes the free slot
+whose kept prompt it shares most of (its prefill then starts after those tokens, nothing copied), and running ones
+may copy from it, so a conversation's next turn or a system prompt sent again computes only what is new (within the
+slots; no cache beyond them).
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_id = 0
         self.finished_by_reason: dict[str, int] = {}
+        self.held: dict[int, list[int]] = {}
+        """Per free slot, the prompt tokens whose keys and values its last request's prefill left in it (until the
+        slot's next request writes over them): what later prompts may share. Decode positions are not kept: a
+        decode row's sums are ordered otherwise than a prefill's."""
         self._owners: dict[int, dict[int, Request]] = {}
         """Per step not yet applied: the request that asked for each slot's work."""
         self.observer = None
@@ -147,12 +155,28 @@ class Scheduler:
         starts = []
         while self.waiting and self.free:
             r = self.waiting.popleft()
-            r.slot, r.admitted_at = self.free.pop(), time.monotonic()
+            r.slot, r.admitted_at = self._free_slot(r), time.monotonic()
             if r.params.seed is None:
                 r.params = _with_seed(r.params, random.randrange(2**62))
             self.running.append(r)
             starts.append(SlotStart(r.slot, r.params.seed))
         return starts
+
+    def _free_slot(self, r: Request) -> int:
+        """A free slot for r: the one whose earlier request's prompt r shares most of (MIN_SHARED tokens or more: r's
+        prefill starts after them, nothing copied), else the last freed that keeps no prompt, else the last freed."""
+        empty = [i for i, slot in enumerate(self.free) if not self.held.get(slot)]
+        at, best = empty[-1] if empty else len(self.free) - 1, 0
+        if self._may_share(r):
+            for i, slot in enumerate(self.free):
+                held = self.held.get(slot, [])
+                common = self._common(r, held, len(held))
+                if common > best:
+                    at, best = i, common
+        slot = self.free.pop(at)
+        self.held.pop(slot, None)  # its next request writes over what the slot held after those tokens
+        r.prefilled = r.shared = best
+        return slot
 
     def _prefills(self) -> tuple[tuple[Prefill, ...], tuple[SlotCopy, ...]]:
         """This step's prompt chunks, in admission order, within the budget (see the module docstring), and the
@@ -174,7 +198,7 @@ class Scheduler:
             if n <= 0 or n > budget:
                 continue  # anchored: its next chunk waits for a step with room for all of it
             if src is not None:
-                copies.append(SlotCopy(src.slot, r.slot, r.prefilled, shared))
+                copies.append(SlotCopy(src, r.slot, r.prefilled, shared))
                 r.shared += shared - r.prefilled
             start, end = shared, shared + n
             last = end == len(r.prompt_ids)
@@ -187,28 +211,37 @@ class Scheduler:
             budget -= n
         return tuple(out), tuple(copies)
 
-    def _share(self, r: Request, ready: dict[int, int]) -> tuple[Request | None, int, bool]:
-        """Prefix sharing for r's next tokens (see the module docstring): (the request whose slot holds the most of
-        them after the steps before this one, or None; where r's prefill goes on from; whether r waits a step
-        because a request planned before it in this step computes MIN_SHARED of them or more)."""
-        none = (None, r.prefilled, False)
-        if not self.share_prefixes or (r.params.echo and r.params.logprobs is not None):
-            return none
-        limit = len(r.prompt_ids) - 2  # its last two tokens are its own (a chunk of one runs as a decode row)
+    def _share(self, r: Request, ready: dict[int, int]) -> tuple[int | None, int, bool]:
+        """Prefix sharing for r's next tokens (see the module docstring): (the slot that holds the most of them after
+        the steps before this one, or None; where r's prefill goes on from; whether r waits a step because a request
+        planned before it in this step computes MIN_SHARED of them or more)."""
+        if not self._may_share(r):
+            return None, r.prefilled, False
         src, best, coming = None, r.prefilled, r.prefilled
-        for s in self.running:
-            have, will = ready.get(id(s), 0), s.prefilled
-            if s is r or s.finish_reason is not None or min(limit, will) - r.prefilled < MIN_SHARED:
-                continue
-            common = _common_prefix(r.prompt_ids, s.prompt_ids, min(limit, will))
-            if self.anchored:
-                common -= common % self.prefill_chunk
+        sources = [(s.slot, s.prompt_ids, ready.get(id(s), 0), s.prefilled) for s in self.running
+                   if s is not r and s.finish_reason is None]
+        sources += [(slot, held, len(held), len(held)) for slot, held in self.held.items()]
+        for slot, tokens, have, will in sources:
+            common = self._common(r, tokens, will)
             if min(common, have) > best:
-                src, best = s, min(common, have)
+                src, best = slot, min(common, have)
             coming = max(coming, common)
         if best - r.prefilled >= MIN_SHARED:
             return src, best, False
         return None, r.prefilled, coming - r.prefilled >= MIN_SHARED
+
+    def _may_share(self, r: Request) -> bool:
+        """Sharing is on, and r does not ask for its prompt's logprobs."""
+        return self.share_prefixes and not (r.params.echo and r.params.logprobs is not None)
+
+    def _common(self, r: Request, tokens: list[int], upto: int) -> int:
+        """How many of r's first prompt tokens equal `tokens`' first (of `upto`) and may be shared: its last two
+        tokens are its own (a chunk of one runs as a decode row); anchored, down to a chunk boundary."""
+        limit = min(len(r.prompt_ids) - 2, upto)
+        if limit - r.prefilled < MIN_SHARED:
+            return 0
+        common = _common_prefix(r.prompt_ids, tokens, limit)
+        return common - common % self.prefill_chunk if self.anchored else common
 
     def apply(self, step: Step, result: StepResult, tokenizer) -> list[Request]:
         """Record what a step produced; returns the requests that finished (their slots are free again)."""
@@ -241,6 +274,7 @@ class Scheduler:
         for r in done:
             self.running.remove(r)
             self.free.append(r.slot)
+            self.held[r.slot] = r.prompt_ids[:r.prefilled]
         return done
 
     def _emit(self, r: Request, got: Sampled, now: float, tokenizer) -> None:
@@ -295,6 +329,7 @@ class Scheduler:
         self.waiting.clear()
         self._owners.clear()
         self.release()
+        self.held.clear()  # nothing the lost ranks held is known any more
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
