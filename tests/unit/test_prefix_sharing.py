@@ -3,6 +3,7 @@ slot holds already copies their keys and values (Step.copies) instead of computi
 tokens stay the ones it gets alone."""
 
 import queue
+import random
 
 import pytest
 import torch
@@ -164,3 +165,19 @@ def test_requests_that_share_a_prefix_sample_the_tokens_they_sample_alone(random
     assert all(n >= MIN_SHARED for _, (n,) in later), later
     assert together == alone and [t for (t,), _ in later] == alone
     assert len({tuple(t for t, _ in row) for row in together[:4]}) > 1  # the samples differ from each other
+
+
+def test_common_prefix_equals_a_plain_loop_on_random_lists():
+    """Lists across the 256-token blocks, differing anywhere or nowhere, cut at any limit."""
+    rng = random.Random(1)
+    for _ in range(2000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(700))]
+        b = list(a)
+        if b and rng.random() < 0.8:
+            b[rng.randrange(len(b))] = 9
+        if rng.random() < 0.3:
+            b = b[:rng.randrange(len(b) + 1)]
+        limit, want = rng.randrange(800), 0
+        while want < min(limit, len(a), len(b)) and a[want] == b[want]:
+            want += 1
+        assert _common_prefix(a, b, limit) == want, (a, b, limit)
