@@ -196,7 +196,7 @@ class Scheduler:
             if not self.anchored and left - n == 1:
                 n -= 1  # a last chunk of one token would run as a decode row (other sums): leave it two
             if n <= 0 or n > budget:
-                continue  # anchored: its next chunk waits for a step with room for all of it
+                continue  # its next chunk waits for a step with room for it (anchored: for all of it)
             if src is not None:
                 copies.append(SlotCopy(src, r.slot, r.prefilled, shared))
                 r.shared += shared - r.prefilled
@@ -218,7 +218,7 @@ class Scheduler:
         if not self._may_share(r):
             return None, r.prefilled, False
         src, best, coming = None, r.prefilled, r.prefilled
-        sources = [(s.slot, s.prompt_ids, ready.get(id(s), 0), s.prefilled) for s in self.running
+        sources = [(s.slot, s.prompt_ids, ready[id(s)], s.prefilled) for s in self.running
                    if s is not r and s.finish_reason is None]
         sources += [(slot, held, len(held), len(held)) for slot, held in self.held.items()]
         for slot, tokens, have, will in sources:
