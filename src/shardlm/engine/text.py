@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardlm.engine import chat_template
 from shardlm.models.args import ModelConfigError
 
 
@@ -33,8 +34,8 @@ def load_tokenizer(folder: Path):
 
     With a tokenizer.json, the `tokenizers` library reads it directly (0.1 s) behind the small
     interface generation uses (`FastTokenizer`); importing transformers' AutoTokenizer costs about
-    2 s of every command's start-up, measured here. Chat templates and folders with only
-    tokenizer.model or vocab.json go through AutoTokenizer.
+    2 s of every command's start-up, measured here; its chat template renders with jinja2 alone
+    (engine/chat_template.py). Folders with only tokenizer.model or vocab.json go through AutoTokenizer.
     """
     folder = Path(folder)
     if not has_tokenizer(folder):
@@ -63,7 +64,7 @@ def _token_text(value) -> str | None:
 class FastTokenizer:
     """tokenizer.json read by the `tokenizers` library, with the parts of the Hugging Face
     tokenizer interface generation uses: `tok(text)["input_ids"]`, `decode`, `pad_token_id`,
-    `eos_token_id`, `chat_template` and `apply_chat_template` (which defers to transformers).
+    `eos_token_id`, `chat_template` and `apply_chat_template` (rendered as transformers renders it).
 
     `add_bos_token`/`add_eos_token` in tokenizer_config.json are honoured the way transformers
     does: the special token is added or removed whatever tokenizer.json's post-processor says.
@@ -78,10 +79,11 @@ class FastTokenizer:
         self.tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
         cfg_path = self.folder / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        map_path = self.folder / "special_tokens_map.json"  # older folders name their special tokens there
+        self.config = {**(json.loads(map_path.read_text()) if map_path.is_file() else {}), **self.config}
         self.chat_template = self.config.get("chat_template")
         if self.chat_template is None and (self.folder / "chat_template.jinja").is_file():
             self.chat_template = (self.folder / "chat_template.jinja").read_text()
-        self._auto = None
 
     def _id(self, key: str) -> int | None:
         text = _token_text(self.config.get(key))
@@ -124,11 +126,18 @@ class FastTokenizer:
         """Text of `ids`."""
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, *args, **kwargs):
-        """The chat template applied by transformers (loaded on first use)."""
-        if self._auto is None:
-            self._auto = _auto_tokenizer(self.folder)
-        return self._auto.apply_chat_template(*args, **kwargs)
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens as text (bos_token, eos_token, ...), as a chat template sees them."""
+        found = {key: _token_text(self.config.get(key)) for key in chat_template.SPECIAL_TOKENS}
+        return {key: text for key, text in found.items() if text is not None}
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = True) -> list[int] | str:
+        """`messages` under the chat template: token ids (special tokens only where the template writes them), or
+        the text with `tokenize=False`. Raises ChatTemplateError when the template refuses the messages."""
+        text = chat_template.render(self.chat_template, messages, add_generation_prompt, self.special_tokens)
+        return self.tok.encode(text, add_special_tokens=False).ids if tokenize else text
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
@@ -138,8 +147,12 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]
         if chat:
             if not getattr(tokenizer, "chat_template", None):
                 raise ModelConfigError("--chat needs a chat template, and this model's tokenizer has none; drop --chat")
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                tokenize=True)
+            try:
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                    tokenize=True)
+            except chat_template.ChatTemplateError as e:
+                raise ModelConfigError(f"the chat template refused prompt {len(out) + 1}: {e}; drop --chat, or give "
+                                       "the model a template that takes one user turn") from e
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
             ids = tokenizer(p)["input_ids"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from fastapi import Request as HttpRequest
+from jinja2.exceptions import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from shardlm.engine.chat_template import ChatTemplateError
 from shardlm.engine.requests import TokenEvent
 from shardlm.serve.calls import Call, Choice, collect, stream_body
 from shardlm.serve.errors import ApiError
@@ -16,7 +18,10 @@ def chat_ids(body: ChatRequest, tokenizer) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+    except (ChatTemplateError, TemplateError) as e:  # the template's raise_exception: e.g. roles must alternate
+        raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from e
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     return list(ids)
 
