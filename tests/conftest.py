@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,23 @@ def on_cpu(monkeypatch):
 
     monkeypatch.setattr(slot_graphs.SlotGraphs, "_capture", capture)
 
+
+
+_BUILD_ROOT: list[Path] = []
+"""The folder of the background kernel builds started at collection, removed when the session ends."""
+
+
+def pytest_collection_finish(session):
+    """Start test_kernel_builds' older kernel builds as soon as collection has chosen one of its tests, in the
+    background at the lowest CPU priority: they overlap the tests that run before them."""
+    if session.config.option.collectonly:
+        return
+    for module in {item.module for item in session.items if item.module.__name__.endswith("test_kernel_builds")}:
+        _BUILD_ROOT.append(Path(tempfile.mkdtemp(prefix="shardlm-builds-")))
+        module.start_builds(_BUILD_ROOT[-1])
+
+
+def pytest_sessionfinish(session):
+    """Remove the background kernel builds' folder."""
+    for root in _BUILD_ROOT:
+        shutil.rmtree(root, ignore_errors=True)

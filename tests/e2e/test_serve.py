@@ -424,6 +424,7 @@ def test_lm_eval_log_likelihoods_equal_shardlm_perplexity(server, bundled_dir, t
     import json
     import math
     import os
+    from concurrent.futures import ThreadPoolExecutor
 
     pytest.importorskip("lm_eval", reason="lm-eval is in the test extra: run scripts/setup.sh")
     from conftest import PROMPT_TEXT
@@ -440,12 +441,15 @@ def test_lm_eval_log_likelihoods_equal_shardlm_perplexity(server, bundled_dir, t
             "--output_path", str(tmp_path / "out"), "--log_samples"]
     env = {**os.environ, "OPENAI_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "ds")}
-    res = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    # shardlm perplexity runs beside lm_eval, which spends most of its time importing (suite time)
+    with ThreadPoolExecutor(1) as pool:
+        ppl_run = pool.submit(run_cli, "perplexity", "--text", str(tmp_path / "text.txt"), "--json")
+        res = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+        ppl = ppl_run.result(timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     samples = [json.loads(line) for f in (tmp_path / "out").rglob("samples_shardlm_ll*.jsonl") for line in f.open()]
     assert len(samples) == 1, res.stdout[-2000:]
     loglik = float(samples[0]["resps"][0][0][0])  # [[[loglikelihood, is_greedy]]], logged as strings
-    ppl = run_cli("perplexity", "--text", str(tmp_path / "text.txt"), "--json")
     assert ppl.returncode == 0, ppl.stderr
     row = json.loads(ppl.stdout)["results"][0]
     served = math.exp(-loglik / row["tokens"])

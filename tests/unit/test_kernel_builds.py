@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,21 +38,34 @@ def _wanted(arch: str) -> bool:
     return arch not in OPT_IN or os.environ.get(OPT_IN[arch]) == "1"
 
 
+def _lowest_priority() -> None:
+    """Run this thread, and the compilers it starts, at nice 19 (on Linux the priority is per thread, and children
+    inherit it): the builds take the cores the other tests leave idle, and all of them once a test waits for them."""
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+
+
+def start_builds(root: Path) -> None:
+    """Start every build this CPU can run and this run wants (_wanted) side by side in the background, into folders
+    under `root`. conftest calls this as soon as collection has chosen a test of this module, so the builds (one
+    compiler process of 40-70 s each on two cores) overlap the tests before it instead of stopping the suite."""
+    if _BUILDS:
+        return
+    pool = ThreadPoolExecutor(max_workers=len(TARGETS), initializer=_lowest_priority)
+    for name, (_, wants) in TARGETS.items():
+        if wants <= build.cpu_flags() and _wanted(name):
+            _BUILDS[name] = pool.submit(build.extension, root / name, arch=name)
+    pool.shutdown(wait=False)
+
+
 def _older_build(arch: str, tmp_path_factory):
-    """The `arch` build of the kernels, built once for the module; skips where this CPU lacks what the build needs.
-    The first call starts every build this CPU can run and this run wants (_wanted) side by side (each is one
-    compiler process of about 40 s; three in turn had taken 120 s of the suite, side by side on two cores about 60)."""
+    """The `arch` build of the kernels, built once for the session; skips where this CPU lacks what the build needs.
+    The builds start at collection (start_builds), or here when this module was not collected by conftest."""
     needs = TARGETS[arch][1]
     if not needs <= build.cpu_flags():
         pytest.skip(f"this CPU lacks {sorted(needs - build.cpu_flags())} for a {arch} build")
     if not _wanted(arch):
         pytest.skip(f"the {arch} build is opt-in (suite time): set {OPT_IN[arch]}=1 to run it")
-    if not _BUILDS:
-        pool = ThreadPoolExecutor(max_workers=len(TARGETS))
-        for name, (_, wants) in TARGETS.items():
-            if wants <= build.cpu_flags() and _wanted(name):
-                _BUILDS[name] = pool.submit(build.extension, tmp_path_factory.mktemp(name), arch=name)
-        pool.shutdown(wait=False)
+    start_builds(tmp_path_factory.mktemp("builds"))
     ext = _BUILDS[arch].result(timeout=600)
     assert ext is not None, f"the {arch} build failed (see the warning logged above)"
     return ext
