@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -11,7 +12,10 @@ from test_cli import run_cli
 PROMPTS = ["The capital of France is", "Write a haiku about the sea. The first line:"]
 
 
+@functools.cache
 def _generate(*flags: str) -> dict:
+    """A `generate --json` run's result, run once per set of flags in the session (suite time: the one-rank int4 run
+    is compared in two tests). Callers do not change it."""
     res = run_cli("generate", *PROMPTS, "--max-new-tokens", "8", "--json", *flags)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
