@@ -222,3 +222,15 @@ def test_prefix_sharing_times_both_ways_and_finds_the_same_tokens():
             or line.startswith("| 3 |")}
     assert rows["1"].rstrip().endswith("| 40 / 40 |") and rows["3"].rstrip().endswith("| 44 / 120 |"), out.stdout
     assert "the same for every request" in out.stdout, out.stdout
+
+
+def test_n_choices_times_each_n_and_counts_the_reused_prompt_tokens():
+    """`bench/n_choices.py` against shardlm alone with short prompts: a row per n, and n - 1 copies of the prompt but
+    its last two tokens reused for n > 1 (the script exits non-zero on a reply that is not all n choices)."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "n_choices.py"), "--no-vllm", "--choices", "1,3",
+                          "--prompt-len", "40", "--max-tokens", "3", "--rounds", "1", "--no-write"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| shardlm |")]
+    assert len(rows) == 2 and rows[0].rstrip().endswith("| 0 of 40 |") and rows[1].rstrip().endswith("| 76 of 120 |"), \
+        out.stdout

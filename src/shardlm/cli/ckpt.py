@@ -133,10 +133,10 @@ def convert(model: str = typer.Argument(..., parser=o.ModelPath(), help="Hugging
             as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
     """Rewrite a checkpoint as size-capped safetensors shards with an index (what Accelerate's save_model
     does), optionally with int8/int4 linear weights that `generate` loads as they are."""
+    if quantization not in (None, "none", "int8", "int4"):  # before the import below, which brings in torch
+        _fail(f"--quantization {quantization} is not supported; use int8 or int4")
     from shardlm.checkpoint.shard import write_whole
 
-    if quantization not in (None, "none", "int8", "int4"):
-        _fail(f"--quantization {quantization} is not supported; use int8 or int4")
     stats = _run(write_whole, _model_folder(model), Path(output), max_shard_size, _dtype(dtype), overwrite,
                  not as_json, "converting", None if quantization in (None, "none") else quantization, verify=verify)
     _report(stats, "converted", output, as_json)
