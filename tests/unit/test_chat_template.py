@@ -4,6 +4,7 @@ on the bundled model's template and on templates that use what transformers' env
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -121,3 +122,26 @@ def test_the_server_answers_a_refused_conversation_with_a_400(tmp_path, bundled_
     with pytest.raises(ApiError) as e:
         chat_ids(bad, ours)
     assert e.value.status == 400 and e.value.param == "messages" and "must alternate" in e.value.message
+
+
+def test_a_template_that_does_not_parse_is_the_model_folders_fault(tmp_path, bundled_dir):
+    from shardlm.engine.chat_template import BrokenChatTemplateError
+    from shardlm.serve.chat import chat_ids
+    from shardlm.serve.errors import ApiError
+    from shardlm.serve.schemas import ChatRequest
+
+    folder = _folder(tmp_path, bundled_dir, "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(BrokenChatTemplateError, match=r"does not parse \(line 2: .*tokenizer_config.json"):
+        FastTokenizer(folder).apply_chat_template(CONVERSATIONS[0])
+    with pytest.raises(ApiError) as e:  # a server error, not the request's
+        chat_ids(ChatRequest(model="m", messages=[{"role": "user", "content": "a"}]), FastTokenizer(folder))
+    assert e.value.status == 500 and "does not parse" in e.value.message
+    try:  # a checkpoint refuses symlinks that leave its folder; a hard link is its own file
+        os.link(bundled_dir / "model.safetensors", folder / "model.safetensors")
+    except OSError:  # another file system
+        shutil.copy(bundled_dir / "model.safetensors", folder / "model.safetensors")
+    shutil.copy(bundled_dir / "config.json", folder / "config.json")
+    res = subprocess.run([sys.executable, "-m", "shardlm", "generate", "hi", "--chat", "--model", str(folder),
+                          "--max-new-tokens", "1"], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 2 and "does not parse (line 2" in res.stderr and "drop --chat" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr

@@ -24,6 +24,10 @@ class ChatTemplateError(ValueError):
     """The template refused the conversation (its `raise_exception`) or could not be rendered."""
 
 
+class BrokenChatTemplateError(ChatTemplateError):
+    """The template itself does not parse: the model folder's fault, not the conversation's."""
+
+
 def _raise_exception(message):
     import jinja2
 
@@ -88,11 +92,18 @@ def compiled(template: str):
 
 def render(template: str, messages: list[dict], add_generation_prompt: bool, special: dict[str, str]) -> str:
     """The text of `messages` ([{"role", "content"}, ...]) under `template`, given the tokenizer's named special
-    tokens `special`. Raises ChatTemplateError with the template's own message when it refuses them."""
+    tokens `special`. Raises ChatTemplateError with the template's own message when it refuses them, and
+    BrokenChatTemplateError when the template does not parse."""
     import jinja2
 
     try:
-        return compiled(template).render(messages=[dict(m) for m in messages], tools=None, documents=None,
+        program = compiled(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise BrokenChatTemplateError(
+            f"the model's chat template does not parse (line {e.lineno}: {e.message}); fix chat_template in the model "
+            "folder's tokenizer_config.json (or chat_template.jinja)") from e
+    try:
+        return program.render(messages=[dict(m) for m in messages], tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **special)
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(str(e)) from e

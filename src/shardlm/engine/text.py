@@ -150,6 +150,8 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]
             try:
                 ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                     tokenize=True)
+            except chat_template.BrokenChatTemplateError as e:
+                raise ModelConfigError(f"{e}, or drop --chat") from e
             except chat_template.ChatTemplateError as e:
                 raise ModelConfigError(f"the chat template refused prompt {len(out) + 1}: {e}; drop --chat, or give "
                                        "the model a template that takes one user turn") from e

@@ -6,7 +6,7 @@ from fastapi import Request as HttpRequest
 from jinja2.exceptions import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from shardlm.engine.chat_template import ChatTemplateError
+from shardlm.engine.chat_template import BrokenChatTemplateError, ChatTemplateError
 from shardlm.engine.requests import TokenEvent
 from shardlm.serve.calls import Call, Choice, collect, stream_body
 from shardlm.serve.errors import ApiError
@@ -20,6 +20,8 @@ def chat_ids(body: ChatRequest, tokenizer) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+    except BrokenChatTemplateError as e:  # the server's model folder is at fault, not the request
+        raise ApiError(500, str(e)) from e
     except (ChatTemplateError, TemplateError) as e:  # the template's raise_exception: e.g. roles must alternate
         raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from e
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
