@@ -90,6 +90,23 @@ def compiled(template: str):
     return env.from_string(template)
 
 
+def problem(template: str) -> str | None:
+    """Why `template` cannot be used (it does not parse), else None: for a server to say so when it starts."""
+    import jinja2
+
+    try:
+        compiled(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        return broken(e)
+    return None
+
+
+def broken(e) -> str:
+    """What to say about a template that does not parse (a jinja2 TemplateSyntaxError)."""
+    return (f"the model's chat template does not parse (line {e.lineno}: {e.message}); fix chat_template in the "
+            "model folder's tokenizer_config.json (or chat_template.jinja)")
+
+
 def render(template: str, messages: list[dict], add_generation_prompt: bool, special: dict[str, str]) -> str:
     """The text of `messages` ([{"role", "content"}, ...]) under `template`, given the tokenizer's named special
     tokens `special`. Raises ChatTemplateError with the template's own message when it refuses them, and
@@ -99,11 +116,9 @@ def render(template: str, messages: list[dict], add_generation_prompt: bool, spe
     try:
         program = compiled(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise BrokenChatTemplateError(
-            f"the model's chat template does not parse (line {e.lineno}: {e.message}); fix chat_template in the model "
-            "folder's tokenizer_config.json (or chat_template.jinja)") from e
+        raise BrokenChatTemplateError(broken(e)) from e
     try:
         return program.render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **special)
+                              add_generation_prompt=add_generation_prompt, **special)
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(str(e)) from e

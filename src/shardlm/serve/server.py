@@ -20,6 +20,7 @@ import time
 
 import uvicorn
 
+from shardlm.engine import chat_template
 from shardlm.serve.app import Service, create_app
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,9 @@ def _load(service: Service, server: uvicorn.Server) -> None:
             service.poller.start()
         service.ready.set()
         log.warning("ready: serving %s", service.model_name)
+        template = getattr(service.engine.tokenizer, "chat_template", None)
+        if template and (why := chat_template.problem(template)) is not None:
+            log.warning("chat completions will answer 500: %s", why)
     except Exception as e:  # noqa: BLE001 - a failed load ends the server with its reason
         service.loading_error = getattr(e, "summary", None) or str(e)
         log.error("loading failed: %s", service.loading_error)
