@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -132,6 +133,27 @@ def on_cpu(monkeypatch):
 
     monkeypatch.setattr(slot_graphs.SlotGraphs, "_capture", capture)
 
+
+
+def bundled_copy(bundled_dir: Path, folder: Path, chat_template: str | None = None, weights: bool = False) -> Path:
+    """`folder` holding the bundled model's tokenizer, its chat template replaced by `chat_template` (None: kept); with
+    `weights`, also its config and weights (a hard link, or a copy on another file system: a checkpoint refuses
+    symlinks that leave its folder)."""
+    folder.mkdir(parents=True)
+    names = ["tokenizer.json", "tokenizer_config.json"] + (["config.json"] if weights else [])
+    if chat_template is None and (bundled_dir / "chat_template.jinja").is_file():
+        names.append("chat_template.jinja")
+    for name in names:
+        shutil.copy(bundled_dir / name, folder / name)
+    if chat_template is not None:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": chat_template}))
+    if weights:
+        try:
+            os.link(bundled_dir / "model.safetensors", folder / "model.safetensors")
+        except OSError:
+            shutil.copy(bundled_dir / "model.safetensors", folder / "model.safetensors")
+    return folder
 
 
 _BUILD_ROOT: list[Path] = []

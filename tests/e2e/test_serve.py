@@ -393,20 +393,9 @@ def _killed_rank_is_named(s: Server) -> None:
 
 def test_a_template_that_does_not_parse_is_logged_at_start_and_chat_answers_500(bundled_dir, tmp_path):
     """Completions still serve; the log names the template's line when the server is ready."""
-    import json
-    import os
-    import shutil
+    from conftest import bundled_copy
 
-    folder = tmp_path / "model"
-    folder.mkdir()
-    for name in ("config.json", "tokenizer.json"):
-        shutil.copy(bundled_dir / name, folder / name)
-    try:  # a checkpoint refuses symlinks that leave its folder; a hard link is its own file
-        os.link(bundled_dir / "model.safetensors", folder / "model.safetensors")
-    except OSError:
-        shutil.copy(bundled_dir / "model.safetensors", folder / "model.safetensors")
-    cfg = json.loads((bundled_dir / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{{ messages[0] }"}))
+    folder = bundled_copy(bundled_dir, tmp_path / "model", "{{ messages[0] }", weights=True)
     with Server("--model", str(folder), "--max-batch", "2", "--max-seq-len", "128") as s:
         chat = s.post("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 500 and "does not parse (line 1" in chat.json()["error"]["message"], chat.text

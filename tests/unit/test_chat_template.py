@@ -3,13 +3,11 @@ on the bundled model's template and on templates that use what transformers' env
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import subprocess
 import sys
 
 import pytest
+from conftest import bundled_copy
 
 from shardlm.engine.chat_template import ChatTemplateError
 from shardlm.engine.text import FastTokenizer
@@ -45,16 +43,7 @@ GENERATION = """{% for m in messages %}{% if m['role'] == 'assistant' %}{% gener
 
 def _folder(tmp_path, bundled_dir, template: str | None):
     """A tokenizer folder: the bundled tokenizer with `template` (None: the bundled one)."""
-    folder = tmp_path / "tok"
-    folder.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (bundled_dir / name).is_file():
-            shutil.copy(bundled_dir / name, folder / name)
-    if template is not None:
-        (folder / "chat_template.jinja").unlink(missing_ok=True)
-        cfg = json.loads((folder / "tokenizer_config.json").read_text())
-        (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
-    return folder
+    return bundled_copy(bundled_dir, tmp_path / "tok", template)
 
 
 def _transformers_ids(folder, messages, add_generation_prompt):
@@ -136,12 +125,27 @@ def test_a_template_that_does_not_parse_is_the_model_folders_fault(tmp_path, bun
     with pytest.raises(ApiError) as e:  # a server error, not the request's
         chat_ids(ChatRequest(model="m", messages=[{"role": "user", "content": "a"}]), FastTokenizer(folder))
     assert e.value.status == 500 and "does not parse" in e.value.message
-    try:  # a checkpoint refuses symlinks that leave its folder; a hard link is its own file
-        os.link(bundled_dir / "model.safetensors", folder / "model.safetensors")
-    except OSError:  # another file system
-        shutil.copy(bundled_dir / "model.safetensors", folder / "model.safetensors")
-    shutil.copy(bundled_dir / "config.json", folder / "config.json")
+    folder = bundled_copy(bundled_dir, tmp_path / "model", "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}",
+                          weights=True)
     res = subprocess.run([sys.executable, "-m", "shardlm", "generate", "hi", "--chat", "--model", str(folder),
                           "--max-new-tokens", "1"], capture_output=True, text=True, timeout=180)
     assert res.returncode == 2 and "does not parse (line 2" in res.stderr and "drop --chat" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_transformers_tokenizers_raise_the_same_errors(tmp_path, bundled_dir):
+    """Folders without tokenizer.json go through AutoTokenizer: its jinja errors map to the same two errors."""
+    from transformers import AutoTokenizer
+
+    from shardlm.engine.chat_template import BrokenChatTemplateError
+    from shardlm.engine.text import template_ids
+
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    strict = AutoTokenizer.from_pretrained(str(_folder(tmp_path / "s", bundled_dir, STRICT)))
+    assert template_ids(strict, messages[:1], True) == FastTokenizer(tmp_path / "s" / "tok").apply_chat_template(
+        messages[:1], True)
+    with pytest.raises(ChatTemplateError, match="must alternate"):
+        template_ids(strict, messages, True)
+    broken = AutoTokenizer.from_pretrained(str(_folder(tmp_path / "b", bundled_dir, "{{ messages }")))
+    with pytest.raises(BrokenChatTemplateError, match=r"does not parse \(line 1"):
+        template_ids(broken, messages, True)

@@ -140,25 +140,36 @@ class FastTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids if tokenize else text
 
 
+def template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """The token ids of `messages` under the tokenizer's chat template (FastTokenizer or transformers'). Raises
+    BrokenChatTemplateError when the template does not parse, ChatTemplateError when it refuses the messages."""
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except TemplateSyntaxError as e:  # transformers' tokenizers raise jinja's own errors
+        raise chat_template.BrokenChatTemplateError(chat_template.broken(e)) from e
+    except TemplateError as e:
+        raise chat_template.ChatTemplateError(str(e)) from e
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
     """Token ids per prompt; with `chat`, each prompt becomes a user turn under the chat template."""
     out = []
     for p in prompts:
-        if chat:
-            if not getattr(tokenizer, "chat_template", None):
-                raise ModelConfigError("--chat needs a chat template, and this model's tokenizer has none; drop --chat")
-            try:
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                    tokenize=True)
-            except chat_template.BrokenChatTemplateError as e:
-                raise ModelConfigError(f"{e}, or drop --chat") from e
-            except chat_template.ChatTemplateError as e:
-                raise ModelConfigError(f"the chat template refused prompt {len(out) + 1}: {e}; drop --chat, or give "
-                                       "the model a template that takes one user turn") from e
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(p)["input_ids"]
-        out.append(list(ids))
+        if not chat:
+            out.append(list(tokenizer(p)["input_ids"]))
+            continue
+        if not getattr(tokenizer, "chat_template", None):
+            raise ModelConfigError("--chat needs a chat template, and this model's tokenizer has none; drop --chat")
+        try:
+            out.append(template_ids(tokenizer, [{"role": "user", "content": p}], True))
+        except chat_template.BrokenChatTemplateError as e:
+            raise ModelConfigError(f"{e}, or drop --chat") from e
+        except chat_template.ChatTemplateError as e:
+            raise ModelConfigError(f"the chat template refused prompt {len(out) + 1}: {e}; drop --chat, or give "
+                                   "the model a template that takes one user turn") from e
     return out
 
 

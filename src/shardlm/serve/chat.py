@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from fastapi import Request as HttpRequest
-from jinja2.exceptions import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from shardlm.engine.chat_template import BrokenChatTemplateError, ChatTemplateError
 from shardlm.engine.requests import TokenEvent
+from shardlm.engine.text import template_ids
 from shardlm.serve.calls import Call, Choice, collect, stream_body
 from shardlm.serve.errors import ApiError
 from shardlm.serve.schemas import ChatRequest
@@ -19,13 +19,11 @@ def chat_ids(body: ChatRequest, tokenizer) -> list[int]:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+        return template_ids(tokenizer, messages, body.add_generation_prompt)
     except BrokenChatTemplateError as e:  # the server's model folder is at fault, not the request
         raise ApiError(500, str(e)) from e
-    except (ChatTemplateError, TemplateError) as e:  # the template's raise_exception: e.g. roles must alternate
+    except ChatTemplateError as e:  # the template's raise_exception: e.g. roles must alternate
         raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from e
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    return list(ids)
 
 
 def chat_logprobs(tokenizer, logprobs: list[dict]) -> dict:
