@@ -213,7 +213,7 @@ def test_float_prefill_equals_float64_and_a_row_is_the_same_in_any_batch(n, k, d
 def test_float_prefill_in_place_and_through_panels_give_the_same_bits(n, k, dtype, ext):
     """A pass of a few rows reads the weight in place (csrc/fewrows.h), a larger one widens panels (csrc/qgemm.h):
     the same FMA chain per output either way, so a prompt's numbers do not depend on the rows of its pass. Row counts
-    off the blocks of 8 or 16 rows and off the panel tiles of 12, 8, 4 and 2; the few_rows argument forces either."""
+    off the blocks of 8 or 16 rows and off the panel tiles of 8, 4 and 2; the few_rows argument forces either."""
     g = torch.Generator().manual_seed(3 * n + k)
     w = torch.randn(n, k, generator=g).to(dtype)
     for b in (1, 3, 16, 17, 23, 32, 33, 45, 64, 65, 100, 128, 129):  # one to nine blocks of x rows in place

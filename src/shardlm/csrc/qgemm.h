@@ -2,11 +2,11 @@
 // FMA tiles. (int8 and int4 weights: qpanel.h, in the integer units.)
 //
 // Decode (rows.h) reads each weight once per token and is bound by memory. A prefill of many tokens is bound by
-// arithmetic instead, and this tiling beats MKL's sgemm on the shapes measured (bench/RESULTS.md notes). Here a
-// panel of PANEL weight rows (16, or 32 with AVX-512) is widened to float32 once per call into a thread's buffer
-// laid out [k][PANEL], and a register tile of MR activation rows by PANEL weight rows runs FMAs over k: two vector
-// loads and MR broadcasts feed 2 * MR FMAs. (A pass of a few rows skips the widening: fewrows.h runs the same
-// chains over the weight in place.)
+// arithmetic instead: on an Ice Lake host this tiling runs at about MKL's sgemm rate (the 12 x 2 tile before it
+// beat MKL on the AMD hosts measured, and ran 0.8x it there; this one has not run on AMD yet; bench/RESULTS.md). Here a panel of PANEL weight rows (16, or 48 with AVX-512) is widened to float32 once per
+// call into a thread's buffer laid out [k][PANEL], and a register tile of GEMM_ROWS activation rows by PANEL weight
+// rows runs FMAs over k: PANEL_VECS vector loads and GEMM_ROWS broadcasts feed PANEL_VECS * GEMM_ROWS FMAs, the panel
+// prefetched ahead. (A pass of a few rows skips the widening: fewrows.h runs the same chains over the weight in place.)
 //
 // Each output keeps one float32 lane whose FMA chain runs over k in order, whatever the number of rows, the
 // tile or the panel it falls in: a token's result does not depend on the batch or the chunk around it, nor
@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -23,12 +24,16 @@
 
 namespace shardlm {
 
-// The tile's vectors: 16 floats where the CPU has AVX-512 (32 registers: 12 rows x 2 accumulators), else 8
-// (16 registers: 6 rows x 2). Either way an output is one lane whose FMA chain runs over k in order, so both
-// give the same numbers.
+// The tile's vectors: 16 floats where the CPU has AVX-512 (32 registers), else 8 (16 registers). Either way an
+// output is one lane whose FMA chain runs over k in order, so both give the same numbers, whatever the tile's shape.
+// MR is the row count of the prefill attention's tiles (prefill_attn.h); the products' tile is GEMM_ROWS rows by
+// PANEL_VECS vectors of weight rows: on AVX-512, 8 x 3 (24 accumulators, 3 vector loads and 8 broadcasts feed 24
+// FMAs) ran at 0.82-0.86 of this Ice Lake core's FMA peak with its panel in the L2 and prefetched, where 12 x 2 ran at
+// 0.66 without the prefetch and 0.72-0.76 with it (single core, k 576 and 1536: RESULTS.md, stop 64).
 #if defined(__AVX512F__)
 typedef float vpf __attribute__((vector_size(64)));
-constexpr int MR = 12;  // activation rows a register tile holds (2 * MR accumulators + 2 weight vectors)
+constexpr int MR = 12;  // query rows a prefill attention tile holds (2 * MR accumulators + 2 key vectors)
+constexpr int GEMM_ROWS = 8, PANEL_VECS = 3;
 inline vpf fma_p(vpf a, vpf b, vpf c) {
   return reinterpret_cast<vpf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
                                                reinterpret_cast<__m512>(c)));
@@ -36,10 +41,12 @@ inline vpf fma_p(vpf a, vpf b, vpf c) {
 #else
 typedef v8f vpf;
 constexpr int MR = 6;
+constexpr int GEMM_ROWS = 6, PANEL_VECS = 2;
 inline vpf fma_p(vpf a, vpf b, vpf c) { return fma8(a, b, c); }
 #endif
 constexpr int64_t VL = sizeof(vpf) / sizeof(float);
-constexpr int64_t PANEL = 2 * VL;  // weight rows a panel holds: two vectors
+constexpr int64_t PANEL = PANEL_VECS * VL;  // weight rows a panel holds
+constexpr int64_t PANEL_PREFETCH = 32;  // k steps ahead the tile asks for its panel (it streams from the L2)
 constexpr int64_t PANEL_CHUNK_BYTES = 512 * 1024;  // panels a thread widens before it runs the rows over them
 
 
@@ -115,27 +122,28 @@ inline void widen_panel_float(const W* w, int64_t k, int64_t kp, int64_t n, int6
 template <int R>
 inline void panel_tile(const float* x, int64_t ldx, int64_t kp, const float* panel, float* y, int64_t ldy,
                        int64_t cols) {
-  vpf acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vpf{};
+  vpf acc[R][PANEL_VECS];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < PANEL_VECS; ++v) acc[r][v] = vpf{};
   for (int64_t k = 0; k < kp; ++k) {
-    const vpf w0 = load_p(panel + k * PANEL), w1 = load_p(panel + k * PANEL + VL);
+    vpf w[PANEL_VECS];
+    for (int v = 0; v < PANEL_VECS; ++v) {  // (past the panel's end the prefetch reads the next panel of the chunk)
+      __builtin_prefetch(panel + (k + PANEL_PREFETCH) * PANEL + v * VL, 0, 3);
+      w[v] = load_p(panel + k * PANEL + v * VL);
+    }
     for (int r = 0; r < R; ++r) {
       const vpf xb = splat_p(x + r * ldx + k);  // x[r, k] in every lane
-      acc[r][0] = fma_p(w0, xb, acc[r][0]);
-      acc[r][1] = fma_p(w1, xb, acc[r][1]);
+      for (int v = 0; v < PANEL_VECS; ++v) acc[r][v] = fma_p(w[v], xb, acc[r][v]);
     }
   }
-  if (cols == PANEL) {  // a whole panel's outputs: two vector stores a row
-    for (int r = 0; r < R; ++r) {
-      std::memcpy(y + r * ldy, &acc[r][0], sizeof(vpf));
-      std::memcpy(y + r * ldy + VL, &acc[r][1], sizeof(vpf));
-    }
+  if (cols == PANEL) {  // a whole panel's outputs: PANEL_VECS vector stores a row
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < PANEL_VECS; ++v) std::memcpy(y + r * ldy + v * VL, &acc[r][v], sizeof(vpf));
     return;
   }
   for (int r = 0; r < R; ++r) {  // through arrays: indexing the vectors by a runtime column would keep them in
     float lanes[PANEL];          // memory for the whole loop
-    std::memcpy(lanes, &acc[r][0], sizeof(vpf));
-    std::memcpy(lanes + VL, &acc[r][1], sizeof(vpf));
+    for (int v = 0; v < PANEL_VECS; ++v) std::memcpy(lanes + v * VL, &acc[r][v], sizeof(vpf));
     for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = lanes[c];
   }
 }
@@ -150,10 +158,9 @@ inline void chunk_rows(const float* x, int64_t b, int64_t kp, const float* chunk
       const float* panel = chunk + (p - p0) * kp * PANEL;
       const int64_t c0 = p * PANEL, cols = std::min(PANEL, n - c0);
       int64_t j = j0;
-      for (; j + MR <= j1; j += MR) panel_tile<MR>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
-      // the rows left: in tiles of 8, 4 and 2 before single rows (each row of a single-row tile loads the panel once)
-      if constexpr (MR > 8)
-        if (j + 8 <= j1) panel_tile<8>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 8;
+      for (; j + GEMM_ROWS <= j1; j += GEMM_ROWS)
+        panel_tile<GEMM_ROWS>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
+      // the rows left: in tiles of 4 and 2 before single rows (each row of a single-row tile loads the panel once)
       if (j + 4 <= j1) panel_tile<4>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 4;
       if (j + 2 <= j1) panel_tile<2>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols), j += 2;
       for (; j < j1; ++j) panel_tile<1>(x + j * kp, kp, kp, panel, y + j * n + c0, n, cols);
@@ -161,8 +168,25 @@ inline void chunk_rows(const float* x, int64_t b, int64_t kp, const float* chunk
   }
 }
 
-// y (b, n) = x (b, kp) @ W^T for a weight whose panels `widen(r0, out)` writes: threads split the panels, each
-// widens a chunk of them at a time into its own buffer and runs every row of x over it.
+// Units [0, units) of work shared by the pool's threads as they go: `worker(take)` runs on each, and `take()` hands
+// out the next unit no thread has taken (units or more once none is left). An even split fixed up front leaves the
+// faster core waiting for the slower one at the end (this VM's two cores ran FMAs at 144 and 195 GFLOP/s in the same
+// minute); which thread computes a unit never changes its numbers.
+template <typename Worker>
+inline void share_units(int64_t units, const Worker& worker) {
+  std::atomic<int64_t> next{0};
+  const auto take = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
+  at::parallel_for(0, std::min<int64_t>(units, at::get_num_threads()), 1, [&](int64_t, int64_t) { worker(take); });
+}
+
+// Panels a unit of shared work holds: at most a chunk, and small enough that a thread's last unit is a small part of
+// its share (about eight units a thread), so the threads finish close together.
+inline int64_t panels_per_unit(int64_t panels, int64_t per_chunk) {
+  return std::clamp<int64_t>(panels / (8 * std::max(1, at::get_num_threads())), 1, per_chunk);
+}
+
+// y (b, n) = x (b, kp) @ W^T for a weight whose panels `widen(r0, out)` writes: threads take units of panels as they
+// go, each widens a unit into its own buffer and runs every row of x over it.
 template <typename Widen>
 inline void panel_gemm(const float* x, int64_t b, int64_t kp, int64_t n, float* y, const Widen& widen) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
