@@ -4,7 +4,8 @@ plain and Exact, in one process.
     python bench/prefill_products.py [--rows 512] [--rounds 7] [--calls 10] [--arch haswell]
 
 The bundled model's shapes (o: 576 x 576, down: 576 x 1536, gate and up together: 3072 x 576) with random weights
-and activations, on the machine's cores. Exact is how quantized o and down projections run at every tensor-parallel
+and activations, on the machine's cores; torch's float32 `F.linear` (MKL or oneDNN, what transformers' prefill runs)
+on the same inputs is the peer. Exact is how quantized o and down projections run at every tensor-parallel
 degree (each block of 32 columns one term, the terms added in double, so a row-parallel split adds up to the whole
 bit for bit); plain is one float32 chain per output. Every case runs once per round, cases in a fixed
 order, rounds repeated; the table gives the median ms of a call over rounds and the ratio to float32. The process
@@ -39,6 +40,7 @@ def cases(ext, rows: int) -> dict:
         x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) * 0.02
         q8, q4 = quantize_int8(w), quantize_int4(w)
         out[(name, "float32", "plain")] = lambda x=x, w=w: ext.prefill_float(x, w, 16)
+        out[(name, "float32", "torch F.linear")] = lambda x=x, w=w: torch.nn.functional.linear(x, w)  # the peer
         for exact in (False, True):
             kind = "exact" if exact else "plain"
             out[(name, "int8", kind)] = lambda x=x, q=q8, e=exact: ext.prefill_int8(x, q.q, q.scale, e, False)

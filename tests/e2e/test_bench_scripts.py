@@ -52,14 +52,15 @@ def test_few_rows_prints_both_kernels_with_the_same_bits():
 
 def test_prefill_products_times_every_product_and_weight_kind():
     """`bench/prefill_products.py` at 20 rows, 1 round of 1 call: a table row for each product, weight kind and kind of
-    sums, each with a time and a ratio to float32's."""
+    sums, and torch's F.linear for each product, each with a time and a ratio to float32's."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill_products.py"), "--rows", "20", "--rounds", "1",
                           "--calls", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("kernels: native (") and " 20 rows, " in out.stdout, out.stdout
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "ms a call" not in line]
-    assert len(rows) == 15 and all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows), out.stdout
+    assert len(rows) == 18 and all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows), out.stdout
+    assert sum("torch F.linear" in r[3] for r in rows) == 3, out.stdout
 
 
 def test_decode_runs_compares_run_lengths_on_the_same_tokens():

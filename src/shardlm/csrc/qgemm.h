@@ -28,8 +28,8 @@ namespace shardlm {
 // output is one lane whose FMA chain runs over k in order, so both give the same numbers, whatever the tile's shape.
 // MR is the row count of the prefill attention's tiles (prefill_attn.h); the products' tile is GEMM_ROWS rows by
 // PANEL_VECS vectors of weight rows: on AVX-512, 8 x 3 (24 accumulators, 3 vector loads and 8 broadcasts feed 24
-// FMAs) ran at 0.82-0.86 of this Ice Lake core's FMA peak with its panel in the L2 and prefetched, where 12 x 2 ran at
-// 0.66 without the prefetch and 0.72-0.76 with it (single core, k 576 and 1536: RESULTS.md, stop 64).
+// FMAs) ran at 135-167 GFLOP/s on an Ice Lake core whose FMA peak measured 145-196, its panel in the L2 and
+// prefetched, where 12 x 2 ran at 107-136 (121-150 prefetched; one core, k 576 and 1536: RESULTS.md, stop 64).
 #if defined(__AVX512F__)
 typedef float vpf __attribute__((vector_size(64)));
 constexpr int MR = 12;  // query rows a prefill attention tile holds (2 * MR accumulators + 2 key vectors)

@@ -93,6 +93,17 @@ inline void store_tile(const QPanel& panel, const float (&sums)[R][QPANEL], cons
     }
 }
 
+// int4's zacc of activation row j and lanes h of a panel: m * x_sum over the blocks in order, one float FMA chain a
+// lane (q4tiles.h's), run after the integer sums rather than beside them, so that a tile's int32 sums and float
+// accumulators alone hold the registers (with zacc beside them a 6-row tile needed 39 of AVX-512's 32).
+template <typename V>
+inline typename V::F zero_terms(const QuantRows& x, int64_t j, const QPanel& panel, int h) {
+  typename V::F zacc = V::fzero();
+  for (int64_t blk = 0; blk < x.blocks; ++blk)
+    zacc = V::fma(V::loadf(panel.m + blk * QPANEL + h * QVL), V::splatf(x.sums[j * x.blocks + blk]), zacc);
+  return zacc;
+}
+
 // The outputs of R activation rows (from j0) against one widened panel (weight rows c0 .. c0 + cols), output rows n
 // apart. int8 (Q4 false): float sums times the row scales, or (`Exact`) double sums of the block terms times the
 // row scales. int4: acc + zacc in float, as q4tiles.h's q4_tile computes them, or (`Exact`) both kinds of block
@@ -105,11 +116,10 @@ inline void qpanel_tile(const QuantRows& x, int64_t j0, const QPanel& panel, T* 
 #if defined(SHARDLM_QPANEL_VEC)
   using V = QVec;
   using F = typename V::F;
-  F acc[R][2], zacc[Q4 ? R : 1][2];
+  F acc[R][2];
   typename V::D dacc[Exact ? R : 1][4];  // Exact: the double sums, in registers
   for (int r = 0; r < R; ++r) {
     acc[r][0] = acc[r][1] = V::fzero();
-    if constexpr (Q4) zacc[r][0] = zacc[r][1] = V::fzero();
     if constexpr (Exact) dacc[r][0] = dacc[r][1] = dacc[r][2] = dacc[r][3] = V::dzero();
   }
   for (int64_t blk = 0; blk < x.blocks; ++blk) {
@@ -138,8 +148,6 @@ inline void qpanel_tile(const QuantRows& x, int64_t j0, const QPanel& panel, T* 
                             V::splatd(static_cast<double>(x.sums[at])));  // products of two floats: exact
         } else {
           acc[r][h] = V::fma(V::to_float(isum[r][h]), f, acc[r][h]);
-          if constexpr (Q4)
-            zacc[r][h] = V::fma(V::loadf(panel.m + blk * QPANEL + h * QVL), V::splatf(x.sums[at]), zacc[r][h]);
         }
       }
     }
@@ -148,7 +156,8 @@ inline void qpanel_tile(const QuantRows& x, int64_t j0, const QPanel& panel, T* 
     if constexpr (Exact) {
       std::memcpy(totals[r], dacc[r], sizeof(totals[r]));
     } else {
-      for (int h = 0; h < 2; ++h) V::store(sums[r] + h * QVL, Q4 ? V::add(acc[r][h], zacc[r][h]) : acc[r][h]);
+      for (int h = 0; h < 2; ++h) V::store(sums[r] + h * QVL, Q4 ? V::add(acc[r][h], zero_terms<V>(x, j0 + r, panel, h))
+                                                                  : acc[r][h]);
     }
   }
 #else
