@@ -15,7 +15,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -168,25 +167,8 @@ inline void chunk_rows(const float* x, int64_t b, int64_t kp, const float* chunk
   }
 }
 
-// Units [0, units) of work shared by the pool's threads as they go: `worker(take)` runs on each, and `take()` hands
-// out the next unit no thread has taken (units or more once none is left). An even split fixed up front leaves the
-// faster core waiting for the slower one at the end (this VM's two cores ran FMAs at 144 and 195 GFLOP/s in the same
-// minute); which thread computes a unit never changes its numbers.
-template <typename Worker>
-inline void share_units(int64_t units, const Worker& worker) {
-  std::atomic<int64_t> next{0};
-  const auto take = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
-  at::parallel_for(0, std::min<int64_t>(units, at::get_num_threads()), 1, [&](int64_t, int64_t) { worker(take); });
-}
-
-// Panels a unit of shared work holds: at most a chunk, and small enough that a thread's last unit is a small part of
-// its share (about eight units a thread), so the threads finish close together.
-inline int64_t panels_per_unit(int64_t panels, int64_t per_chunk) {
-  return std::clamp<int64_t>(panels / (8 * std::max(1, at::get_num_threads())), 1, per_chunk);
-}
-
-// y (b, n) = x (b, kp) @ W^T for a weight whose panels `widen(r0, out)` writes: threads take units of panels as they
-// go, each widens a unit into its own buffer and runs every row of x over it.
+// y (b, n) = x (b, kp) @ W^T for a weight whose panels `widen(r0, out)` writes: threads split the panels, each
+// widens a chunk of them at a time into its own buffer and runs every row of x over it.
 template <typename Widen>
 inline void panel_gemm(const float* x, int64_t b, int64_t kp, int64_t n, float* y, const Widen& widen) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
