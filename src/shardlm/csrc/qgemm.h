@@ -2,11 +2,13 @@
 // FMA tiles. (int8 and int4 weights: qpanel.h, in the integer units.)
 //
 // Decode (rows.h) reads each weight once per token and is bound by memory. A prefill of many tokens is bound by
-// arithmetic instead: on an Ice Lake host this tiling runs at about MKL's sgemm rate (the 12 x 2 tile before it
-// beat MKL on the AMD hosts measured, and ran 0.8x it there; this one has not run on AMD yet; bench/RESULTS.md). Here a panel of PANEL weight rows (16, or 48 with AVX-512) is widened to float32 once per
-// call into a thread's buffer laid out [k][PANEL], and a register tile of GEMM_ROWS activation rows by PANEL weight
-// rows runs FMAs over k: PANEL_VECS vector loads and GEMM_ROWS broadcasts feed PANEL_VECS * GEMM_ROWS FMAs, the panel
-// prefetched ahead. (A pass of a few rows skips the widening: fewrows.h runs the same chains over the weight in place.)
+// arithmetic instead. On an Ice Lake host this tiling runs at about the rate of MKL's sgemm; the 12 x 2 tile before
+// it ran at about twice MKL's rate on the AMD hosts measured but slower than MKL on the Ice Lake, and this one has not
+// run on AMD yet (bench/RESULTS.md, stop 64). Here a panel of PANEL weight rows (16, or 48 with AVX-512) is widened
+// to float32 once per call into a thread's buffer laid out [k][PANEL], and a register tile of GEMM_ROWS activation
+// rows by PANEL weight rows runs FMAs over k: PANEL_VECS vector loads and GEMM_ROWS broadcasts feed PANEL_VECS *
+// GEMM_ROWS FMAs, the panel prefetched ahead. (A pass of a few rows skips the widening: fewrows.h runs the same
+// chains over the weight in place.)
 //
 // Each output keeps one float32 lane whose FMA chain runs over k in order, whatever the number of rows, the
 // tile or the panel it falls in: a token's result does not depend on the batch or the chunk around it, nor
