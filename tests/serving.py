@@ -106,11 +106,11 @@ class Server:
             return f.read()[-chars:]
 
     def rank_pids(self) -> list[int]:
-        """PIDs of the server's rank processes (its children started by multiprocessing's spawn)."""
+        """PIDs of the server's rank processes (named shardlm-rank<rank>, runtime/worker.py)."""
         import psutil
 
         kids = psutil.Process(self.proc.pid).children(recursive=True)
-        return [k.pid for k in kids if "spawn_main" in " ".join(k.cmdline())]
+        return [k.pid for k in kids if k.name().startswith("shardlm-rank")]
 
     def client(self, **kw):
         """An openai.OpenAI client for this server."""

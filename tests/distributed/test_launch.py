@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from shardlm.parallel.launch import RanksFailed, rank_context, run_on_ranks
+from shardlm.parallel.launch import RanksFailed, rank_context, run_on_ranks, start_fork_server
 
 
 def _describe(rank: int, world: int) -> tuple:
@@ -39,6 +39,21 @@ def test_gloo_ranks_fork_from_the_server_and_nccl_ranks_are_spawned():
     assert rank_context("nccl").get_start_method() == "spawn"
 
 
+def _tunables(rank: int, world: int) -> tuple:
+    return os.environ.get("GLIBC_TUNABLES") or "", os.getppid()
+
+
+def test_ranks_fork_with_the_servers_huge_pages_and_others_are_spawned():
+    """The server's malloc tunables are fixed when it starts; a rank that wants the other setting is spawned."""
+    server = start_fork_server()
+    assert start_fork_server(not server) == server  # the first start decides
+    assert rank_context(huge_pages=server).get_start_method() == "forkserver"
+    assert rank_context(huge_pages=not server).get_start_method() == "spawn"
+    got = run_on_ranks(_tunables, 2, timeout_s=120)
+    assert all(("glibc.malloc.hugetlb=1" in tunables) == server for tunables, _ in got), got
+    assert len({parent for _, parent in got}) == 1 and got[0][1] != os.getpid()  # children of the server
+
+
 @pytest.mark.parametrize("world,threads", [(3, 1), (2, 2)])
 def test_each_rank_has_its_rank_threads_and_group(world, threads):
     got = run_on_ranks(_describe, world, timeout_s=120, threads=threads)
@@ -56,3 +71,14 @@ def test_a_rank_that_exits_is_named_with_its_exit_code():
     with pytest.raises(RanksFailed) as err:
         run_on_ranks(_exit_on_one, 2, timeout_s=60)
     assert "--- rank 1 ---\ndied with exit code 3" in str(err.value)
+
+
+@pytest.mark.parametrize("argv,starts", [
+    (["generate", "x", "--tp", "2"], True), (["-v", "serve", "--tp", "2"], True),
+    (["generate", "x", "--device", "cuda"], False), (["serve", "--device=cuda:1"], False),
+    (["generate", "--help"], False), (["plan", "smollm2-135m"], False), (["generate", "--device"], True), ([], False),
+])
+def test_the_entry_point_starts_the_fork_server_for_commands_that_fork_cpu_ranks(argv, starts):
+    from shardlm.__main__ import starts_cpu_ranks
+
+    assert starts_cpu_ranks(argv) == starts

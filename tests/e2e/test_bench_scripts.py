@@ -235,3 +235,18 @@ def test_n_choices_times_each_n_and_counts_the_reused_prompt_tokens():
     rows = [line for line in out.stdout.splitlines() if line.startswith("| shardlm |")]
     assert len(rows) == 2 and rows[0].rstrip().endswith("| 0 of 40 |") and rows[1].rstrip().endswith("| 76 of 120 |"), \
         out.stdout
+
+
+def test_startup_vs_commit_times_a_fresh_command_and_tables_the_ratio(bundled_dir):
+    """`bench/startup_vs_commit.py`'s parts (the whole script needs a git worktree of another commit): one fresh
+    `generate` of this tree, timed, and the table row it makes against itself."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import startup_vs_commit as svc
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    got = svc.measure({"this tree": ROOT}, {"bundled": bundled_dir}, [2], 1)
+    assert len(got[("this tree", "bundled", 2)]) == 1 and got[("this tree", "bundled", 2)][0] > 0
+    got[("abc1234", "bundled", 2)] = got[("this tree", "bundled", 2)]
+    rows = svc.table(got, "abc1234", ["bundled"], [2])
+    assert rows[0] == "| model | tp | this tree, s | abc1234, s | ratio |" and rows[2].endswith("| 1.00x |"), rows

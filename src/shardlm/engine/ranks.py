@@ -7,7 +7,8 @@ rank is watched three ways, and the first that fires names it and stops every ra
   defers to the dead rank);
 - its process exits or is killed (found within a poll, 0.2 s);
 - its heartbeat (runtime/heartbeat.py) stops moving for HANG_S: stopped with SIGSTOP, or wedged.
-The driver dies => the ranks die (PR_SET_PDEATHSIG); a rank never outlives its engine.
+The driver dies => the ranks die (PR_SET_PDEATHSIG: a spawned rank's parent is the driver; a forked one's is the
+fork server, which exits when the driver does); a rank never outlives its engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from shardlm.models.source import ModelSource
-from shardlm.parallel.launch import store_listener, threads_per_rank
+from shardlm.parallel.launch import rank_context, store_listener, threads_per_rank
 from shardlm.plan.plan import Plan
 from shardlm.runtime.protocol import RankLaunch
 from shardlm.settings import Settings, huge_page_children
@@ -120,10 +121,12 @@ class RankGroup:
         return self.wait_ready()
 
     def spawn(self) -> None:
-        """Start the rank processes (they begin loading at once). Call it from a thread that outlives them
-        (the main thread): a rank is killed when the thread that started it ends (PR_SET_PDEATHSIG)."""
+        """Start the rank processes (they begin loading at once). CPU ranks fork from the fork server
+        (parallel/launch.py's rank_context); the others are spawned, and should be started from a thread that
+        outlives them (the main thread): a spawned rank is killed when the thread that started it ends
+        (PR_SET_PDEATHSIG)."""
         self._t0 = time.perf_counter()
-        ctx = mp.get_context("spawn")
+        ctx = self._context()
         world = self.world
         self.inboxes = [Inbox(ctx) for _ in range(world)]
         self.outbox = ctx.Queue()
@@ -140,12 +143,24 @@ class RankGroup:
                 p = ctx.Process(target=_rank_main, daemon=True, name=f"shardlm-rank{rank}",
                                 args=(launch, self.inboxes[rank], self.outbox, listener if rank == 0 else None,
                                       self.stamps))
-                # huge pages where the weights stay put: a rank that streams layers keeps its 1 MiB mmap threshold
-                with huge_page_children(self.settings.huge_pages and launch.spec.offload.tier == "none"):
+                with huge_page_children(self._huge_pages(rank) and ctx.get_start_method() == "spawn"):
                     p.start()
                 self.procs.append(p)
         finally:
             listener.close()  # rank 0 holds its own copy
+
+    def _huge_pages(self, rank: int) -> bool:
+        """Whether rank `rank` runs glibc's malloc with huge pages: where its weights stay put (a rank that streams
+        layers keeps its 1 MiB mmap threshold, runtime/worker.py's set_malloc)."""
+        return self.settings.huge_pages and self.plan.rank_spec(rank).offload.tier == "none"
+
+    def _context(self):
+        """Where the ranks start from: CPU ranks that agree on huge pages fork from the fork server; GPU ranks, and
+        ranks that differ from it or each other, are spawned."""
+        wants = {self._huge_pages(rank) for rank in range(self.world)}
+        if self.plan.device != "cpu" or len(wants) > 1:
+            return mp.get_context("spawn")
+        return rank_context("gloo", wants.pop())
 
     def wait_ready(self) -> "RankGroup":
         """Wait until every spawned rank has loaded; RankFailure naming a rank that failed, died or hung."""

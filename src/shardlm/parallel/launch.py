@@ -14,7 +14,10 @@ import socket
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import forkserver
 from typing import Any, Callable
+
+from shardlm.settings import huge_page_children
 
 
 class DeviceError(RuntimeError):
@@ -106,20 +109,44 @@ def _entry(fn: Callable, rank: int, world: int, port: int, listener, threads: in
     results.join_thread()
 
 
-def rank_context(backend: str = "gloo") -> mp.context.BaseContext:
-    """The multiprocessing context `run_on_ranks` starts its ranks from.
+FORK_PRELOAD = ["torch", "torch.distributed", "shardlm.runtime.worker"]
+"""What the fork server imports before it forks its first rank (a rank's own imports: torch is 1.5 of their 1.7 s)."""
+_SERVER_HUGE_PAGES: list[bool] = []
+"""Whether this process's fork server started with glibc's malloc asking for huge pages (set at its first start)."""
 
-    gloo ranks fork from a fork server that has imported torch once: a spawned rank imports torch afresh (1.7 s
-    for two ranks, 3.5 s for four, of a 2-core VM's time, against 0.07 and 0.11 s forked; measured 2026-12-07). The
-    server only imports, so no OpenMP pool exists to be forked. A forked rank sees the environment the server
-    started with (at the first call), not later changes to the environment. NCCL ranks are spawned, a fresh interpreter
-    each, so that CUDA is initialised in no process they fork from.
+
+def start_fork_server(huge_pages: bool = True) -> bool:
+    """Start the fork server CPU ranks fork from, once a process (again if it died); returns whether its ranks run
+    glibc's malloc with huge pages (settings.huge_page_children), fixed by the first call.
+
+    The server imports FORK_PRELOAD and then waits, so a command that will start ranks calls this first (the
+    `shardlm` entry point does, for generate and serve): the import runs while the driver parses, plans and loads
+    the tokenizer, and each rank then starts in about 0.1 s. The call itself does not wait for the import."""
+    if not _SERVER_HUGE_PAGES:
+        mp.get_context("forkserver").set_forkserver_preload(FORK_PRELOAD)
+        _SERVER_HUGE_PAGES.append(huge_pages)
+    with huge_page_children(_SERVER_HUGE_PAGES[0]):  # the environment the server (re)starts with
+        forkserver.ensure_running()
+    return _SERVER_HUGE_PAGES[0]
+
+
+def rank_context(backend: str = "gloo", huge_pages: bool | None = None) -> mp.context.BaseContext:
+    """The multiprocessing context ranks start from (`run_on_ranks`, engine/ranks.py).
+
+    gloo ranks fork from the fork server (`start_fork_server`), which has imported torch once: a spawned rank
+    imports torch afresh (1.7 s for two ranks, 3.5 s for four, of a 2-core VM's time, against 0.07 and 0.11 s
+    forked; measured 2026-12-07). The server only imports, so no OpenMP pool exists to be forked. A forked rank
+    sees the environment the server started with (at the first call), not later changes to it: a rank's settings
+    travel in its launch message instead. Spawned, a fresh interpreter each: NCCL ranks, so that CUDA is
+    initialised in no process they fork from, and ranks whose `huge_pages` (None: either) differs from the
+    server's, since glibc reads its tunables only when a program starts.
     """
     if backend == "nccl":
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    return ctx
+    server = start_fork_server(True if huge_pages is None else huge_pages)
+    if huge_pages is not None and huge_pages != server:
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
 
 
 def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 300.0,

@@ -41,12 +41,18 @@ USER_ERRORS = (CheckpointError, ModelConfigError, QuantizationError, OffloadErro
 """Failures that are bad input (reported in one line), not crashes."""
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the driver dies, so no rank is ever orphaned."""
+def _die_with_parent(rank: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (the driver, or the fork server, which exits with the
+    driver), so no rank is ever orphaned; and name it shardlm-rank<rank> (what ps, top and psutil show)."""
+    parent = os.getppid()
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        libc.prctl(15, f"shardlm-rank{rank}".encode()[:15])  # 15 = PR_SET_NAME (15 bytes at most)
     except OSError:
-        pass
+        return
+    if os.getppid() != parent:  # the parent died before the request: nothing would signal this process
+        os._exit(1)
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -99,7 +105,7 @@ def peak_rss_bytes() -> int:
 
 def rank_main(launch: RankLaunch, inbox, outbox, listener=None) -> None:
     """Entry point of a rank process; reports errors with their traceback instead of raising."""
-    _die_with_parent()
+    _die_with_parent(launch.spec.rank)
     malloc_set = set_malloc(launch.spec.offload.tier != "none")  # before the rank allocates anything large
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and stops every rank
     spec = launch.spec
