@@ -4,10 +4,11 @@ and a failing or vanished rank reported by number."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
-from shardlm.parallel.launch import RanksFailed, rank_context, run_on_ranks, start_fork_server
+from shardlm.parallel.launch import RanksFailed, rank_context, run_on_ranks, start_fork_server, stop_fork_server
 
 
 def _describe(rank: int, world: int) -> tuple:
@@ -52,6 +53,23 @@ def test_ranks_fork_with_the_servers_huge_pages_and_others_are_spawned():
     got = run_on_ranks(_tunables, 2, timeout_s=120)
     assert all(("glibc.malloc.hugetlb=1" in tunables) == server for tunables, _ in got), got
     assert len({parent for _, parent in got}) == 1 and got[0][1] != os.getpid()  # children of the server
+
+
+def test_a_stopped_fork_server_is_started_again_by_the_next_ranks():
+    """stop_fork_server (run at exit) kills the server at once; ranks started later get a new one."""
+    from multiprocessing import forkserver
+
+    import psutil
+
+    start_fork_server()
+    pid = forkserver._forkserver._forkserver_pid
+    stop_fork_server()
+    deadline = time.monotonic() + 30
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # killed, left for ensure_running to reap
+    got = run_on_ranks(_tunables, 2, timeout_s=120)
+    assert forkserver._forkserver._forkserver_pid != pid and got[0][1] == forkserver._forkserver._forkserver_pid
 
 
 @pytest.mark.parametrize("world,threads", [(3, 1), (2, 2)])
