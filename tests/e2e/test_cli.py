@@ -237,6 +237,29 @@ def test_ctrl_c_stops_every_rank():
     _assert_all_gone(pids)
 
 
+@pytest.mark.parametrize("after_s", [0.2, 1.0])  # importing the command line; the fork server importing torch
+def test_ctrl_c_while_starting_is_one_line_and_leaves_nothing(after_s):
+    proc = subprocess.Popen(SHARDLM + ["generate", "x", "--tp", "2", "--max-new-tokens", "4"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(after_s)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    _assert_all_gone(_group(proc.pid))  # the fork server and any rank (they share the driver's process group)
+
+
+def _group(pgid: int) -> list[int]:
+    """The pids of the processes in process group `pgid`."""
+    pids = []
+    for p in psutil.pids():
+        try:
+            if os.getpgid(p) == pgid:
+                pids.append(p)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
 def test_killed_driver_leaves_no_orphan_rank():
     """Nor the fork server the ranks forked from, nor multiprocessing's resource tracker."""
     proc = _start_long_run("--tp", "2")

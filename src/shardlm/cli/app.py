@@ -9,7 +9,9 @@ printed the way shardlm prints every error: one line on stderr, exit status 2.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 
 import typer
 from rich.markup import escape
@@ -40,10 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line on `argv` (default sys.argv[1:]); returns the exit status."""
     command = typer.main.get_command(app)
     try:
+        if threading.current_thread() is threading.main_thread():  # Ctrl-C as KeyboardInterrupt from here on (the
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # entry point ends start-up's Ctrl-C itself)
         code = command.main(args=argv, prog_name="shardlm", standalone_mode=False)
     except typer.Exit as e:
         return e.exit_code
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         err.print("[bold red]error:[/] interrupted", highlight=False)
         return 130
     except typer.TyperException as e:  # a usage error: a bad option value, a missing argument

@@ -7,17 +7,19 @@ traceback is reported together with which rank it was, and no process outlives t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
 from multiprocessing import forkserver
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from shardlm.settings import huge_page_children
 
@@ -128,9 +130,25 @@ def start_fork_server(huge_pages: bool = True) -> bool:
         mp.get_context("forkserver").set_forkserver_preload(FORK_PRELOAD)
         _SERVER_HUGE_PAGES.append(huge_pages)
         atexit.register(stop_fork_server)
-    with huge_page_children(_SERVER_HUGE_PAGES[0]):  # the environment the server (re)starts with
+    with huge_page_children(_SERVER_HUGE_PAGES[0]), _no_interrupts():  # what the server (re)starts with
         forkserver.ensure_running()
     return _SERVER_HUGE_PAGES[0]
+
+
+@contextlib.contextmanager
+def _no_interrupts() -> Iterator[None]:
+    """While open (on the main thread), SIGINT is ignored, so a process started inside ignores it from its first
+    instruction (an ignored signal stays ignored across exec, and Python then installs no handler of its own): a
+    Ctrl-C while the fork server imports torch printed its KeyboardInterrupt traceback. The driver handles Ctrl-C
+    and stops every rank; the ranks ignore it too (runtime/worker.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def stop_fork_server() -> None:
