@@ -37,7 +37,7 @@ def _exit_on_one(rank: int, world: int) -> int:
 
 def test_gloo_ranks_fork_from_the_server_and_nccl_ranks_are_spawned():
     assert rank_context().get_start_method() == "forkserver"
-    assert rank_context("nccl").get_start_method() == "spawn"
+    assert rank_context(cuda=True).get_start_method() == "spawn"
 
 
 def _tunables(rank: int, world: int) -> tuple:

@@ -158,9 +158,9 @@ class RankGroup:
         """Where the ranks start from: CPU ranks that agree on huge pages fork from the fork server; GPU ranks, and
         ranks that differ from it or each other, are spawned."""
         wants = {self._huge_pages(rank) for rank in range(self.world)}
-        if self.plan.device != "cpu" or len(wants) > 1:
+        if len(wants) > 1:  # one context serves the group: spawned, each rank with its own tunables
             return mp.get_context("spawn")
-        return rank_context("gloo", wants.pop())
+        return rank_context(cuda=self.plan.device != "cpu", huge_pages=wants.pop())
 
     def wait_ready(self) -> "RankGroup":
         """Wait until every spawned rank has loaded; RankFailure naming a rank that failed, died or hung."""

@@ -153,8 +153,8 @@ def _no_interrupts() -> Iterator[None]:
 
 def stop_fork_server() -> None:
     """End this process's fork server now (at exit): left alone, a server still importing torch would hold this
-    process's stdout and stderr open until the import ends (a command that failed on bad input in 0.8 s kept a
-    caller that read its output waiting 2.7-3.7 s), and a server ends its ranks with it (PR_SET_PDEATHSIG), which
+    process's stdout and stderr open until the import ends (a command that failed on bad input in 0.6-0.8 s kept a
+    caller that read its output waiting 1.9-2.0 s), and a server ends its ranks with it (PR_SET_PDEATHSIG), which
     the engine has stopped by then. Uses multiprocessing's record of the server's pid; where that is missing,
     nothing is done (the server still exits once it sees this process gone)."""
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
@@ -166,18 +166,18 @@ def stop_fork_server() -> None:
         pass
 
 
-def rank_context(backend: str = "gloo", huge_pages: bool | None = None) -> mp.context.BaseContext:
+def rank_context(cuda: bool = False, huge_pages: bool | None = None) -> mp.context.BaseContext:
     """The multiprocessing context ranks start from (`run_on_ranks`, engine/ranks.py).
 
-    gloo ranks fork from the fork server (`start_fork_server`), which has imported torch once: a spawned rank
+    CPU ranks fork from the fork server (`start_fork_server`), which has imported torch once: a spawned rank
     imports torch afresh (1.7 s for two ranks, 3.5 s for four, of a 2-core VM's time, against 0.07 and 0.11 s
     forked; measured 2026-12-07). The server only imports, so no OpenMP pool exists to be forked. A forked rank
     sees the environment the server started with (at the first call), not later changes to it: a rank's settings
-    travel in its launch message instead. Spawned, a fresh interpreter each: NCCL ranks, so that CUDA is
+    travel in its launch message instead. Spawned, a fresh interpreter each: `cuda` ranks, so that CUDA is
     initialised in no process they fork from, and ranks whose `huge_pages` (None: either) differs from the
     server's, since glibc reads its tunables only when a program starts.
     """
-    if backend == "nccl":
+    if cuda:
         return mp.get_context("spawn")
     server = start_fork_server(True if huge_pages is None else huge_pages)
     if huge_pages is not None and huge_pages != server:
@@ -193,7 +193,7 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: floa
     `fn` must be importable (module level). Returns the results in rank order; raises RanksFailed
     with every failing rank's traceback, or naming the ranks that did not answer in `timeout_s`.
     """
-    ctx = rank_context(backend)
+    ctx = rank_context(cuda=backend == "nccl")  # NCCL ranks run on GPUs
     results = ctx.Queue()
     listener = store_listener()
     port = listener.getsockname()[1]
