@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -23,23 +24,82 @@
 
 namespace shardlm {
 
-// A block of rows' allowed key range: lo[r], hi[r] for each of its m rows of mask (each row t wide).
-inline void key_ranges(const bool* mask, int64_t m, int64_t t, int64_t* lo, int64_t* hi) {
-  for (int64_t r = 0; r < m; ++r) {
-    const auto [l, h] = allowed_span(mask + r * t, t);  // attend.h
-    lo[r] = l, hi[r] = h;
-  }
-}
+// Float buffers from a cache line (qrows.h LineAligned), so that each 512-bit load of a key panel or of a score row
+// reads one line, not two as from malloc's 16-byte boundaries.
+using LineVec = std::vector<float, LineAligned<float>>;
 
-// Row p (n = hi - lo scores of its allowed range, scaled in place) -> softmax weights, masked keys 0. The max is
+// Each mask row's allowed key range [lo, hi) and whether a key inside it is masked, found once for all heads (the
+// mask is (b, 1, s, t): every head of a sequence shares it), where each block of each head scanned its rows again.
+// On the calling thread up to 4096 rows: the scans of a 512-token prompt take less than waking the pool.
+struct KeySpans {
+  std::vector<int64_t> lo, hi;
+  std::vector<uint8_t> dense;  // 1: no masked key inside [lo, hi)
+  KeySpans(const bool* mask, int64_t rows, int64_t t) : lo(rows), hi(rows), dense(rows) {
+    at::parallel_for(0, rows, 4096, [&](int64_t a, int64_t e) {
+      for (int64_t r = a; r < e; ++r) {
+        const bool* row = mask + r * t;
+        const auto [l, h] = allowed_span(row, t);  // attend.h
+        lo[r] = l, hi[r] = h;
+        // a bool false is a zero byte: memchr scans a vector at a time
+        dense[r] = l >= h || std::memchr(row + l, 0, static_cast<size_t>(h - l)) == nullptr;
+      }
+    });
+  }
+};
+
+// Row p (n = hi - lo scores of its allowed range, scaled in place) -> softmax weights, masked keys 0 (dense: none
+// is). The max is
 // exact in any order; e^x is lane by lane; the sum runs in eight lanes from the row's first key, then the lanes in
 // order (lane_sums8). A range with no masked key inside (causal rows, padding, windows) skips the per-key test.
 // (Decode keeps its own sum, scalar in key order (attend.h softmax_weights): moving it to eight lanes changed
 // bfloat16 greedy tokens of the bundled model at near ties, measured.)
-inline void softmax_row(float* p, const bool* allowed, int64_t n, float scale) {
-  // No masked key in the range (a bool false is a zero byte; memchr scans it a vector at a time, where a loop over
-  // bools went byte by byte: an eighth of this function's time).
-  const bool dense = std::memchr(allowed, 0, static_cast<size_t>(n)) == nullptr;
+#if defined(__AVX512F__)
+// softmax_row's arithmetic on a range with no masked key, sixteen lanes a step and the last n % 16 keys as one
+// masked step (the sum adds its two eight-lane halves as two runs of eight, the lanes past n as zeros, which change
+// no sum), where the scalar tails and the eight-lane step cost a fifth of the function on 12-row causal blocks.
+inline void softmax_dense16(float* p, int64_t n, float scale) {
+  const int64_t whole = n - n % 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1u);
+  const __m512 sv = _mm512_set1_ps(scale);
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t c = 0; c < whole; c += 16) {  // scale and the max in one pass (the max is exact in any order)
+    __m512 x = _mm512_loadu_ps(p + c);
+    if (scale != 1.f) x = _mm512_mul_ps(x, sv), _mm512_storeu_ps(p + c, x);
+    mv = _mm512_max_ps(x, mv);  // x > mv ? x : mv
+  }
+  if (tail) {
+    __m512 x = _mm512_maskz_loadu_ps(tail, p + whole);
+    if (scale != 1.f) x = _mm512_mul_ps(x, sv), _mm512_mask_storeu_ps(p + whole, tail, x);
+    mv = _mm512_mask_max_ps(mv, tail, x, mv);
+  }
+  const float top = _mm512_reduce_max_ps(mv);
+  v8f lanes = v8f{};
+  for (int64_t c = 0; c < whole; c += 16) {
+    const v16f x = exp16(load16(p + c) - top);
+    lanes = lanes + low8(x);
+    lanes = lanes + high8(x);
+    std::memcpy(p + c, &x, sizeof(x));
+  }
+  if (tail) {
+    const v16f in = reinterpret_cast<v16f>(_mm512_maskz_loadu_ps(tail, p + whole));
+    const __m512 e = reinterpret_cast<__m512>(exp16(in - top));
+    const v16f x = reinterpret_cast<v16f>(_mm512_maskz_mov_ps(tail, e));
+    lanes = lanes + low8(x);
+    lanes = lanes + high8(x);
+    _mm512_mask_storeu_ps(p + whole, tail, e);
+  }
+  float total;
+  lane_sums8(&lanes, 1, &total);
+  const __m512 inv = _mm512_set1_ps(1.f / total);
+  for (int64_t c = 0; c < whole; c += 16) _mm512_storeu_ps(p + c, _mm512_mul_ps(_mm512_loadu_ps(p + c), inv));
+  if (tail) _mm512_mask_storeu_ps(p + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, p + whole), inv));
+}
+#endif
+
+inline void softmax_row(float* p, const bool* allowed, int64_t n, float scale, bool dense) {
+#if defined(__AVX512F__)
+  if (dense) return softmax_dense16(p, n, scale);
+#endif
   float top = -std::numeric_limits<float>::infinity();
   int64_t c = 0;
   if (dense) {  // scale and the max in one pass (the max is exact in any order)
@@ -94,36 +154,74 @@ inline void softmax_row(float* p, const bool* allowed, int64_t n, float scale) {
   for (int64_t k = 0; k < n; ++k) p[k] = p[k] * inv;
 }
 
-// y[r, 0:2 VL] = sum_i x[r * ldx + i] * b[i * ldb + 0:2 VL] over i in [0, k), for R rows: one FMA chain per output
-// in order of i, two vectors of b and R broadcasts of x feeding 2 R FMAs (qgemm.h's panel tile, with b's rows ldb
-// apart). Scores are q (R, hd) against K^T, outputs P (R, n) against V.
-template <int R>
+// y[r, 0:NV VL] = sum_i x[r * ldx + i] * b[i * ldb + 0:NV VL] over i in [0, k), for R rows: one FMA chain per
+// output in order of i, NV vectors of b and R broadcasts of x feeding R NV FMAs (qgemm.h's panel tile, with b's rows
+// ldb apart). Outputs are P (R, n) against V. R row pointers live in general registers: past 6 the compiler spilled
+// them inside the loop (two reloads per step, perf annotate), so the value tile runs 6 rows by 4 vectors.
+template <int R, int NV = 2>
 inline void fma_tile(const float* x, int64_t ldx, const float* b, int64_t ldb, int64_t k, float* y, int64_t ldy) {
+  vpf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = vpf{};
+  for (int64_t i = 0; i < k; ++i) {
+    vpf bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load_p(b + i * ldb + v * VL);
+    for (int r = 0; r < R; ++r) {
+      const vpf xb = splat_p(x + r * ldx + i);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fma_p(bv[v], xb, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) std::memcpy(y + r * ldy + v * VL, &acc[r][v], sizeof(vpf));
+}
+
+// The same product with x packed k-major: xt[i * R + r] = x[r, i], so a step's R broadcasts read one pointer at
+// fixed offsets (no row pointers to keep). Scores are q (R, hd), packed once a block, against K^T; each score is
+// multiplied by `scale` as it is stored (the same bits as scaling it after).
+template <int R>
+inline void fma_tile_packed(const float* xt, const float* b, int64_t ldb, int64_t k, float* y, int64_t ldy,
+                            float scale) {
   vpf acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vpf{};
   for (int64_t i = 0; i < k; ++i) {
     const vpf b0 = load_p(b + i * ldb), b1 = load_p(b + i * ldb + VL);
+    __builtin_prefetch(b + (k + i) * ldb);  // the next panel (k steps of ldb on)
+    __builtin_prefetch(b + (k + i) * ldb + VL);
     for (int r = 0; r < R; ++r) {
-      const vpf xb = splat_p(x + r * ldx + i);
+      const vpf xb = splat_p(xt + i * R + r);
       acc[r][0] = fma_p(b0, xb, acc[r][0]);
       acc[r][1] = fma_p(b1, xb, acc[r][1]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    std::memcpy(y + r * ldy, &acc[r][0], sizeof(vpf));
-    std::memcpy(y + r * ldy + VL, &acc[r][1], sizeof(vpf));
+    const vpf y0 = acc[r][0] * scale, y1 = acc[r][1] * scale;
+    std::memcpy(y + r * ldy, &y0, sizeof(vpf));
+    std::memcpy(y + r * ldy + VL, &y1, sizeof(vpf));
   }
 }
 
-// One block of R rows of head h of sequence j, the first m real (results of rows past m are dropped). scores(c, y,
-// ldy) writes the R rows' scores against keys c .. c + 2 VL at y (rows ldy apart; keys past t score zero);
+// out (R, hdp) = S (R, keys [0, n), rows ldS apart) times V (n, hdp): tiles of 6 rows by 4 vectors where the head
+// fits them (AVX-512, hdp a multiple of 64), else R rows by 2 vectors.
+template <int R>
+inline void value_tiles(const float* S, int64_t ldS, const float* v, int64_t hdp, int64_t n, float* out) {
+  int64_t d = 0;
+  if constexpr (R % 6 == 0 && VL == 16) {
+    for (; d + 4 * VL <= hdp; d += 4 * VL)
+      for (int r = 0; r < R; r += 6) fma_tile<6, 4>(S + r * ldS, ldS, v + d, hdp, n, out + r * hdp + d, hdp);
+  }
+  for (; d < hdp; d += 2 * VL) fma_tile<R>(S, ldS, v + d, hdp, n, out + d, hdp);
+}
+
+// One block of R rows of head h of sequence j, the first m real (results of rows past m are dropped): rows row0 ..
+// row0 + m of spans and of mask (each t wide). scores(c, y,
+// ldy) writes the R rows' scores against keys c .. c + 2 VL at y (rows ldy apart; keys past t score zero), which
+// the softmax multiplies by `scale` (1: they came scaled);
 // values(S, ldS, c0, c1, lo, hi) writes out (R, hdp) from the softmax weights S[r, c - c0] of keys [c0, c1) (zero
 // outside each row's keys [lo[r], hi[r]); rows ldS apart); S: scratch.
 template <int R, typename Scores, typename Values>
-void attend_block(Scores scores, Values values, const bool* mask, int64_t m, int64_t t, int64_t hd,
-                  std::vector<float>& S, float* out, int64_t hdp) {
-  int64_t lo[R], hi[R];
-  key_ranges(mask, m, t, lo, hi);
+void attend_block(Scores scores, Values values, const KeySpans& spans, int64_t row0, const bool* mask, int64_t m,
+                  int64_t t, float scale, LineVec& S, float* out, int64_t hdp) {
+  const int64_t *lo = spans.lo.data() + row0, *hi = spans.hi.data() + row0;
   int64_t c0 = t, c1 = 0;
   for (int64_t r = 0; r < m; ++r)
     if (lo[r] < hi[r]) c0 = std::min(c0, lo[r]), c1 = std::max(c1, hi[r]);
@@ -131,102 +229,162 @@ void attend_block(Scores scores, Values values, const bool* mask, int64_t m, int
     std::fill(out, out + R * hdp, 0.f);
     return;
   }
-  const int64_t n = c1 - c0, ldS = n + 2 * VL;
+  const int64_t cs = c0 / (2 * VL) * (2 * VL);  // scores from a whole panel of keys (FloatKV); values from c0
+  const int64_t n = c1 - cs, ldS = (n + 15) / 16 * 16 + 2 * VL;  // rows on cache lines
   S.resize(static_cast<size_t>(R * ldS));  // every entry of the R rows is written below
-  for (int64_t c = c0; c < c1; c += 2 * VL) scores(c, S.data() + (c - c0), ldS);  // S[r, c - c0 : +2 VL]
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  for (int64_t c = cs; c < c1; c += 2 * VL) scores(c, S.data() + (c - cs), ldS);  // S[r, c - cs : +2 VL]
   for (int64_t r = 0; r < R; ++r) {  // each row's softmax over its own keys; zero weight elsewhere
     float* row = S.data() + r * ldS;
     if (r >= m || lo[r] >= hi[r]) {
       std::fill(row, row + ldS, 0.f);
       continue;
     }
-    const int64_t a = lo[r] - c0, e = hi[r] - c0;
+    const int64_t a = lo[r] - cs, e = hi[r] - cs;
     std::fill(row, row + a, 0.f);
-    softmax_row(row + a, mask + r * t + lo[r], e - a, scale);
+    softmax_row(row + a, mask + r * t + lo[r], e - a, scale, spans.dense[row0 + r]);
     std::fill(row + e, row + ldS, 0.f);
   }
-  values(S.data(), ldS, c0, c1, lo, hi);
+  values(S.data() + (c0 - cs), ldS, c0, c1, lo, hi);
 }
 
-// The KV heads of k and v (b, hkv, t, hd) widened for the float tiles: K transposed (hd, ldk) a head, V (t, hdp).
+// The KV heads of k and v (b, hkv, t, hd) widened for the float tiles: K transposed in panels of KW keys, each
+// (hd, KW) and contiguous (a head's panels in key order, keys past t zero), so a score tile reads one run of memory
+// where rows of K^T t apart were 64 streams; V (t, hdp) a head. Widened by (head, panel), both threads busy.
 template <typename W>
 struct FloatKV {
-  std::vector<float> keys, values;
-  FloatKV(const W* k, const W* v, int64_t heads, int64_t t, int64_t hd, int64_t ldk, int64_t hdp)
-      : keys(static_cast<size_t>(heads * hd * ldk), 0.f), values(static_cast<size_t>(heads * t * hdp), 0.f) {
-    at::parallel_for(0, heads, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t g = lo; g < hi; ++g)
-        for (int64_t c = 0; c < t; ++c)
-          for (int64_t i = 0; i < hd; ++i) {
-            keys[(g * hd + i) * ldk + c] = load<W>(k, (g * t + c) * hd + i);
-            values[(g * t + c) * hdp + i] = load<W>(v, (g * t + c) * hd + i);
-          }
+  static constexpr int64_t KW = 2 * VL;  // keys a panel (a score tile's width)
+  int64_t hd, panels;
+  float *keys, *values;
+  FloatKV(const W* k, const W* v, int64_t heads, int64_t t, int64_t hd_, int64_t hdp)
+      : hd(hd_), panels((t + KW - 1) / KW) {
+    thread_local LineVec key_buf, value_buf;  // the calling thread's, kept: see grown()
+    keys = grown(key_buf, heads * panels * hd * KW), values = grown(value_buf, heads * t * hdp);
+    at::parallel_for(0, heads * panels, 8, [&](int64_t lo, int64_t hi) {
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t g = task / panels, c0 = (task % panels) * KW, c1 = std::min(t, c0 + KW);
+        float* panel = keys + task * hd * KW;  // (hd, KW)
+        for (int64_t c = c0; c < c0 + KW; ++c)
+          for (int64_t i = 0; i < hd; ++i) panel[i * KW + c - c0] = c < c1 ? load<W>(k, (g * t + c) * hd + i) : 0.f;
+        for (int64_t c = c0; c < c1; ++c)
+          for (int64_t i = 0; i < hdp; ++i)
+            values[(g * t + c) * hdp + i] = i < hd ? load<W>(v, (g * t + c) * hd + i) : 0.f;
+      }
     });
   }
+  // buf with room for n floats, every one overwritten by the caller. Buffers of a call's size allocated afresh
+  // each call ran 0.80 or 1.0 of the time by process (malloc's mmap threshold: fresh pages, faulted and zeroed).
+  static float* grown(LineVec& buf, int64_t n) {
+    if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+    return buf.data();
+  }
+  // Head g's panel holding key c (c a multiple of KW).
+  const float* panel(int64_t g, int64_t c) const { return keys + (g * panels + c / KW) * hd * KW; }
 };
 
 // Every block of MR query rows of a query head: fn(j, r0, m, g, first, of) for sequence j, rows r0 .. r0 + m (m <=
 // MR real), KV head g (of all b * hkv), q's offset of row r0, and an (MR, hdp) float32 output it fills; the rows
-// are then stored into out in q's dtype.
+// are then stored into out in q's dtype. The threads take runs of blocks of equal cost (keys the block's rows
+// see, plus a block's setup): in even halves of a causal prompt the later, longer blocks made one thread work
+// about 12 % longer (perf: 4 % of samples in the pool's wait).
 template <typename W, typename Fn>
-void for_each_block(const int64_t* map, int64_t b, int64_t hq, int64_t hkv, int64_t s, int64_t hd, int64_t hdp,
-                    W* op, Fn fn) {
-  const int64_t blocks = (s + MR - 1) / MR;
-  at::parallel_for(0, b * hq * blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> of(static_cast<size_t>(MR * hdp));
-    for (int64_t task = lo; task < hi; ++task) {  // task = (j, h, block)
-      const int64_t j = task / (hq * blocks), h = (task / blocks) % hq, r0 = (task % blocks) * MR;
-      const int64_t m = std::min<int64_t>(MR, s - r0), first = ((j * hq + h) * s + r0) * hd;
-      fn(j, r0, m, j * hkv + map[h], first, of.data());
+void for_each_block(const KeySpans& spans, const int64_t* map, int64_t b, int64_t hq, int64_t hkv, int64_t s,
+                    int64_t hd, int64_t hdp, W* op, Fn fn) {
+  const int64_t blocks = (s + MR - 1) / MR, tasks = b * hq * blocks;
+  const auto block_of = [&](int64_t task) {  // task = (j, h, block) -> j, h, r0, m
+    const int64_t j = task / (hq * blocks), h = (task / blocks) % hq, r0 = (task % blocks) * MR;
+    return std::array<int64_t, 4>{j, h, r0, std::min<int64_t>(MR, s - r0)};
+  };
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), tasks);
+  if (parts == 0) return;
+  const std::vector<int64_t> runs = cost_runs(tasks, parts, [&](int64_t task) {  // attend.h
+    const auto [j, h, r0, m] = block_of(task);
+    int64_t c0 = std::numeric_limits<int64_t>::max(), c1 = 0;
+    for (int64_t r = j * s + r0; r < j * s + r0 + m; ++r)
+      if (spans.lo[r] < spans.hi[r]) c0 = std::min(c0, spans.lo[r]), c1 = std::max(c1, spans.hi[r]);
+    return static_cast<double>(std::max<int64_t>(c1 - c0, 0) + 2 * VL);
+  });
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+    LineVec of(static_cast<size_t>(MR * hdp));
+    for (int64_t task = runs[first]; task < runs[last]; ++task) {
+      const auto [j, h, r0, m] = block_of(task);
+      const int64_t first_q = ((j * hq + h) * s + r0) * hd;
+      fn(j, r0, m, j * hkv + map[h], first_q, of.data());
       for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < hd; ++i) op[first + r * hd + i] = store<W>(of[r * hdp + i]);
+        for (int64_t i = 0; i < hd; ++i) op[first_q + r * hd + i] = store<W>(of[r * hdp + i]);
     }
   });
+}
+
+// The shapes and inputs of one call, as prefill_attention_t reads them.
+template <typename W>
+struct AttnCall {
+  int64_t b, hq, s, hd, hkv, t, hdp;
+  const W *qp, *kp, *vp;
+  const int64_t* map;
+  const bool* mp;
+  float scale;
+};
+
+#if defined(SHARDLM_BF16_DOT)
+// bfloat16 through avx512_bf16 (prefill_dot.h): scores and values as dot products of bfloat16 pairs.
+inline void attend_pairs(const AttnCall<uint16_t>& a, const KeySpans& spans, uint16_t* op) {
+  const PairKV kv(a.kp, a.vp, a.b * a.hkv, a.t, a.hd, a.t + 2 * VL, a.hdp);
+  const auto block = [&](int64_t j, int64_t r0, int64_t m, int64_t g, int64_t first, float* of) {
+    thread_local LineVec S;
+    thread_local std::vector<uint32_t> qw, pw;
+    query_pairs(a.qp + first, m, a.hd, MR, qw);
+    auto scores = [&](int64_t c, float* y, int64_t ldy) { kv.scores<MR>(qw.data(), g, c, y, ldy); };
+    auto values = [&](const float* Sd, int64_t ldS, int64_t c0, int64_t, const int64_t* lo, const int64_t* hi) {
+      kv.values<MR>(Sd, ldS, c0, lo, hi, m, g, pw, of);
+    };
+    const int64_t row0 = j * a.s + r0;
+    attend_block<MR>(scores, values, spans, row0, a.mp + row0 * a.t, m, a.t, a.scale, S, of, a.hdp);
+  };
+  for_each_block(spans, a.map, a.b, a.hq, a.hkv, a.s, a.hd, a.hdp, op, block);
+}
+#endif
+
+// float32, or bfloat16 widened to it: FMA tiles over FloatKV's panels, the scores scaled as the tile stores them.
+template <typename W>
+void attend_floats(const AttnCall<W>& a, const KeySpans& spans, W* op) {
+  const FloatKV<W> kv(a.kp, a.vp, a.b * a.hkv, a.t, a.hd, a.hdp);
+  const auto block = [&](int64_t j, int64_t r0, int64_t m, int64_t g, int64_t first, float* of) {
+    thread_local LineVec S, qt;
+    qt.resize(static_cast<size_t>(MR * a.hd));  // q^T (hd, MR): rows past m zero
+    for (int64_t r = 0; r < MR; ++r)
+      for (int64_t i = 0; i < a.hd; ++i) qt[i * MR + r] = r < m ? load<W>(a.qp, first + r * a.hd + i) : 0.f;
+    const float* vg = kv.values + g * a.t * a.hdp;
+    auto scores = [&](int64_t c, float* y, int64_t ldy) {
+      fma_tile_packed<MR>(qt.data(), kv.panel(g, c), kv.KW, a.hd, y, ldy, a.scale);
+    };
+    auto values = [&](const float* Sd, int64_t ldS, int64_t c0, int64_t c1, const int64_t*, const int64_t*) {
+      value_tiles<MR>(Sd, ldS, vg + c0 * a.hdp, a.hdp, c1 - c0, of);
+    };
+    const int64_t row0 = j * a.s + r0;
+    attend_block<MR>(scores, values, spans, row0, a.mp + row0 * a.t, m, a.t, 1.f, S, of, a.hdp);
+  };
+  for_each_block(spans, a.map, a.b, a.hq, a.hkv, a.s, a.hd, a.hdp, op, block);
 }
 
 template <typename W>
 torch::Tensor prefill_attention_t(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                   const torch::Tensor& kv_map, const torch::Tensor& mask) {
-  const int64_t b = q.size(0), hq = q.size(1), s = q.size(2), hd = q.size(3), hkv = k.size(1), t = k.size(2);
-  const int64_t ldk = t + 2 * VL, hdp = (hd + 2 * VL - 1) / (2 * VL) * (2 * VL);
-  const W* qp = data<W>(q);
-  const int64_t* map = kv_map.data_ptr<int64_t>();
-  const bool* mp = mask.data_ptr<bool>();
-  for (int64_t h = 0; h < hq; ++h)
-    TORCH_CHECK(map[h] >= 0 && map[h] < hkv, "prefill attention: kv_map[", h, "] = ", map[h], " is not a KV head");
+  const int64_t hd = q.size(3);
+  const AttnCall<W> a{q.size(0), q.size(1), q.size(2), hd, k.size(1), k.size(2),
+                      (hd + 2 * VL - 1) / (2 * VL) * (2 * VL), data<W>(q), data<W>(k), data<W>(v),
+                      kv_map.data_ptr<int64_t>(), mask.data_ptr<bool>(), 1.f / std::sqrt(static_cast<float>(hd))};
+  for (int64_t h = 0; h < a.hq; ++h)
+    TORCH_CHECK(a.map[h] >= 0 && a.map[h] < a.hkv, "prefill attention: kv_map[", h, "] = ", a.map[h],
+                " is not a KV head");
   auto out = torch::empty_like(q);
-  W* op = mutable_data<W>(out);
+  const KeySpans spans(a.mp, a.b * a.s, a.t);
 #if defined(SHARDLM_BF16_DOT)
-  if constexpr (std::is_same_v<W, uint16_t> && VL == 16) {  // bfloat16 through avx512_bf16 (prefill_dot.h)
-    const PairKV kv(data<W>(k), data<W>(v), b * hkv, t, hd, ldk, hdp);
-    for_each_block(map, b, hq, hkv, s, hd, hdp, op, [&](int64_t j, int64_t r0, int64_t m, int64_t g, int64_t first,
-                                                         float* of) {
-      thread_local std::vector<float> S;
-      thread_local std::vector<uint32_t> qw, pw;
-      query_pairs(qp + first, m, hd, MR, qw);
-      auto scores = [&](int64_t c, float* y, int64_t ldy) { kv.scores<MR>(qw.data(), g, c, y, ldy); };
-      auto values = [&](const float* Sd, int64_t ldS, int64_t c0, int64_t, const int64_t* lo, const int64_t* hi) {
-        kv.values<MR>(Sd, ldS, c0, lo, hi, m, g, pw, of);
-      };
-      attend_block<MR>(scores, values, mp + (j * s + r0) * t, m, t, hd, S, of, hdp);
-    });
+  if constexpr (std::is_same_v<W, uint16_t> && VL == 16) {
+    attend_pairs(a, spans, mutable_data<W>(out));
     return out;
   }
 #endif
-  const FloatKV<W> kv(data<W>(k), data<W>(v), b * hkv, t, hd, ldk, hdp);
-  for_each_block(map, b, hq, hkv, s, hd, hdp, op, [&](int64_t j, int64_t r0, int64_t m, int64_t g, int64_t first,
-                                                       float* of) {
-    thread_local std::vector<float> S, qf;
-    qf.resize(static_cast<size_t>(MR * hd));
-    for (int64_t e = 0; e < MR * hd; ++e) qf[e] = e < m * hd ? load<W>(qp, first + e) : 0.f;
-    const float *kg = kv.keys.data() + g * hd * ldk, *vg = kv.values.data() + g * t * hdp;
-    auto scores = [&](int64_t c, float* y, int64_t ldy) { fma_tile<MR>(qf.data(), hd, kg + c, ldk, hd, y, ldy); };
-    auto values = [&](const float* Sd, int64_t ldS, int64_t c0, int64_t c1, const int64_t*, const int64_t*) {
-      for (int64_t d = 0; d < hdp; d += 2 * VL) fma_tile<MR>(Sd, ldS, vg + c0 * hdp + d, hdp, c1 - c0, of + d, hdp);
-    };
-    attend_block<MR>(scores, values, mp + (j * s + r0) * t, m, t, hd, S, of, hdp);
-  });
+  attend_floats(a, spans, mutable_data<W>(out));
   return out;
 }
 
