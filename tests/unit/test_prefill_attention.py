@@ -47,6 +47,26 @@ def test_prefill_attention_matches_float64_sdpa(hd, dtype, ext):
         assert (got.double() - want).abs().max() <= tol * want.abs().max(), window
 
 
+def test_prefill_attention_past_the_kept_buffers_and_back(ext):
+    """A chunk whose widened keys pass the 16 MiB each thread keeps (csrc/prefill_attn.h FloatKV::KEPT_FLOATS: 2 KV
+    heads of 64 over 33000 keys need 4.2 M floats) runs on buffers of its own, then a short call on the kept ones;
+    both as float64 SDPA, and the short one as before the long one, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    kv_map = torch.tensor([0, 1, 1])
+    small = _inputs(1, 3, 2, 7, 40, 64, torch.float32, g)
+    small_mask = attention_mask(torch.ones(1, 40, dtype=torch.bool), 33, 7, None).contiguous()
+    before = ext.prefill_attention(*small, kv_map, small_mask)
+    t = 33000
+    q, k, v = _inputs(1, 3, 2, 5, t, 64, torch.float32, g)
+    valid = torch.ones(1, t, dtype=torch.bool)
+    valid[0, :70] = False  # left padding
+    mask = attention_mask(valid, t - 5, 5, 2000).contiguous()  # a window: the rows' first keys are off a panel
+    got = ext.prefill_attention(q, k, v, kv_map, mask)
+    want = _reference(q, k, v, kv_map, mask)
+    assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max()
+    assert torch.equal(ext.prefill_attention(*small, kv_map, small_mask), before)
+
+
 @pytest.mark.parametrize("hd", [64, 13])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_rows_do_not_depend_on_the_rows_beside_them(hd, dtype, ext):

@@ -253,12 +253,14 @@ void attend_block(Scores scores, Values values, const KeySpans& spans, int64_t r
 template <typename W>
 struct FloatKV {
   static constexpr int64_t KW = 2 * VL;  // keys a panel (a score tile's width)
+  static constexpr int64_t KEPT_FLOATS = int64_t{4} << 20;  // 16 MiB a buffer: larger ones are the call's own
   int64_t hd, panels;
+  LineVec own_keys, own_values;  // a call's own buffers, past KEPT_FLOATS
   float *keys, *values;
   FloatKV(const W* k, const W* v, int64_t heads, int64_t t, int64_t hd_, int64_t hdp)
       : hd(hd_), panels((t + KW - 1) / KW) {
-    thread_local LineVec key_buf, value_buf;  // the calling thread's, kept: see grown()
-    keys = grown(key_buf, heads * panels * hd * KW), values = grown(value_buf, heads * t * hdp);
+    thread_local LineVec key_buf, value_buf;  // the calling thread's, kept: see room()
+    keys = room(key_buf, own_keys, heads * panels * hd * KW), values = room(value_buf, own_values, heads * t * hdp);
     at::parallel_for(0, heads * panels, 8, [&](int64_t lo, int64_t hi) {
       for (int64_t task = lo; task < hi; ++task) {
         const int64_t g = task / panels, c0 = (task % panels) * KW, c1 = std::min(t, c0 + KW);
@@ -271,11 +273,16 @@ struct FloatKV {
       }
     });
   }
-  // buf with room for n floats, every one overwritten by the caller. Buffers of a call's size allocated afresh
-  // each call ran 0.80 or 1.0 of the time by process (malloc's mmap threshold: fresh pages, faulted and zeroed).
-  static float* grown(LineVec& buf, int64_t n) {
-    if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
-    return buf.data();
+  // Room for n floats, every one overwritten by the caller: the thread's kept buffer, grown, up to KEPT_FLOATS;
+  // past it, `own` (freed with the call, so a long prompt's buffers are not held after it). Buffers of a 512-token
+  // call allocated afresh each call made it run 0.80 or 1.0 of the time by process (fresh pages, faulted in).
+  static float* room(LineVec& kept, LineVec& own, int64_t n) {
+    if (n > KEPT_FLOATS) {
+      own.resize(static_cast<size_t>(n));
+      return own.data();
+    }
+    if (static_cast<int64_t>(kept.size()) < n) kept.resize(static_cast<size_t>(n));
+    return kept.data();
   }
   // Head g's panel holding key c (c a multiple of KW).
   const float* panel(int64_t g, int64_t c) const { return keys + (g * panels + c / KW) * hd * KW; }
