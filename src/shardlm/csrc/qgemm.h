@@ -176,11 +176,12 @@ inline void panel_gemm(const float* x, int64_t b, int64_t kp, int64_t n, float* 
   const int64_t panels = (n + PANEL - 1) / PANEL;
   const int64_t per_chunk = std::max<int64_t>(1, PANEL_CHUNK_BYTES / (kp * PANEL * 4));
   at::parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> chunk(std::min(per_chunk, hi - lo) * kp * PANEL);
+    thread_local std::vector<float, LineAligned<float>> kept;  // every panel widened whole before it is read
+    float* chunk = grown(kept, std::min(per_chunk, hi - lo) * kp * PANEL);
     for (int64_t p0 = lo; p0 < hi; p0 += per_chunk) {
       const int64_t p1 = std::min(hi, p0 + per_chunk);
-      for (int64_t p = p0; p < p1; ++p) widen(p * PANEL, chunk.data() + (p - p0) * kp * PANEL);
-      chunk_rows(x, b, kp, chunk.data(), p0, p1, y, n);
+      for (int64_t p = p0; p < p1; ++p) widen(p * PANEL, chunk + (p - p0) * kp * PANEL);
+      chunk_rows(x, b, kp, chunk, p0, p1, y, n);
     }
   });
 }

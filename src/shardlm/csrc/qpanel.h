@@ -199,16 +199,19 @@ inline void qpanel_gemm(const int8_t* w8, const float* scale, const Int4Tiles* w
   const int64_t per_chunk = std::max<int64_t>(1, QPANEL_CHUNK_BYTES / (words * 4));
   at::parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
     const int64_t count = std::min(per_chunk, hi - lo);
-    std::vector<int32_t> chunk(count * words);
-    std::vector<float> s(count * floats), m(count * floats);
-    std::vector<double> md(count * floats);
+    // the thread's kept buffers (rows.h grown), every value of a chunk's panels written before it is read
+    thread_local std::vector<int32_t, LineAligned<int32_t>> kept_words;
+    thread_local std::vector<float, LineAligned<float>> kept_s, kept_m;
+    thread_local std::vector<double, LineAligned<double>> kept_md;
+    int32_t* chunk = grown(kept_words, count * words);
+    float *s = grown(kept_s, count * floats), *m = grown(kept_m, count * floats);
+    double* md = grown(kept_md, count * floats);
     for (int64_t p0 = lo; p0 < hi; p0 += per_chunk) {
       const int64_t p1 = std::min(hi, p0 + per_chunk);
       for (int64_t p = p0; p < p1; ++p) {
-        int32_t* out = chunk.data() + (p - p0) * words;
+        int32_t* out = chunk + (p - p0) * words;
         if constexpr (Q4)
-          widen_qpanel_int4(*w4, p * QPANEL, out, s.data() + (p - p0) * floats, m.data() + (p - p0) * floats,
-                            md.data() + (p - p0) * floats);
+          widen_qpanel_int4(*w4, p * QPANEL, out, s + (p - p0) * floats, m + (p - p0) * floats, md + (p - p0) * floats);
         else
           widen_qpanel(w8, kp, n, p * QPANEL, out);
         if (!Q4 && interleaved) deinterleave_panel(out, kp);
@@ -216,8 +219,8 @@ inline void qpanel_gemm(const int8_t* w8, const float* scale, const Int4Tiles* w
       }
       const auto panel_at = [&](int64_t p) {
         const int64_t i = p - p0;
-        return QPanel{chunk.data() + i * words, Q4 ? s.data() + i * floats : nullptr,
-                      Q4 ? m.data() + i * floats : nullptr, Q4 ? md.data() + i * floats : nullptr, scale};
+        return QPanel{chunk + i * words, Q4 ? s + i * floats : nullptr, Q4 ? m + i * floats : nullptr,
+                      Q4 ? md + i * floats : nullptr, scale};
       };
       if (exact)
         qpanel_rows<T, true, Q4>(x, b, p0, p1, y, n, panel_at);

@@ -31,22 +31,7 @@ namespace shardlm {
 
 constexpr int64_t QBLOCK = 32;
 
-// An allocator from 64-byte boundaries (cache lines): a row's activation codes (kp a multiple of 32 int16) and its
-// chunk scale vectors then start on a line, and each 512-bit load reads one line, not two. From malloc's 16-byte
-// boundaries a batch-1 int8 pass over one layer from L2 ran about 10 % slower (scratch C++, 2026-11-29).
-template <typename T>
-struct LineAligned {
-  using value_type = T;
-  LineAligned() = default;
-  template <typename U>
-  LineAligned(const LineAligned<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-  template <typename U>
-  bool operator==(const LineAligned<U>&) const { return true; }
-  template <typename U>
-  bool operator!=(const LineAligned<U>&) const { return false; }
-};
+// LineAligned (the allocator from cache lines) is in rows.h.
 
 // b rows of activations as int16 codes in blocks of QBLOCK: codes (b, kp) with zeros past k, scales (b, kp / 32).
 struct QuantRows {
