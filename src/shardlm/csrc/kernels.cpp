@@ -169,7 +169,11 @@ torch::Tensor integer_panels(const torch::Tensor& x_in, int64_t pad_left, int64_
                              bool interleaved = false, bool paired = false) {
   const auto x = float_rows(x_in);
   const int64_t b = x.size(0);
-  shardlm::QuantRows xq;
+  // the calling thread's rows, kept up to 8 M codes (16 MiB): fresh ones were zeroed each call before
+  // quantize_range overwrote every value; a longer chunk's are its own, freed with the call
+  thread_local shardlm::QuantRows kept;
+  shardlm::QuantRows own;
+  shardlm::QuantRows& xq = b * kp <= (int64_t{8} << 20) ? kept : own;
   shardlm::quantize_rows_parallel(x.data_ptr<float>(), b, x_in.size(-1), pad_left, kp, xq);
   const auto lead = out_shape(x_in, n);
   if (wide) {
