@@ -24,7 +24,7 @@
 
 namespace shardlm {
 
-// Float buffers from a cache line (qrows.h LineAligned), so that each 512-bit load of a key panel or of a score row
+// Float buffers from a cache line (rows.h LineAligned), so that each 512-bit load of a key panel or of a score row
 // reads one line, not two as from malloc's 16-byte boundaries.
 using LineVec = std::vector<float, LineAligned<float>>;
 
@@ -48,15 +48,14 @@ struct KeySpans {
 };
 
 // Row p (n = hi - lo scores of its allowed range, scaled in place) -> softmax weights, masked keys 0 (dense: none
-// is). The max is
-// exact in any order; e^x is lane by lane; the sum runs in eight lanes from the row's first key, then the lanes in
-// order (lane_sums8). A range with no masked key inside (causal rows, padding, windows) skips the per-key test.
+// is). The max is exact in any order; e^x is lane by lane; the sum runs in eight lanes from the row's first key,
+// then the lanes in order (lane_sums8). A range with no masked key inside (causal rows, padding, windows) skips the per-key test.
 // (Decode keeps its own sum, scalar in key order (attend.h softmax_weights): moving it to eight lanes changed
 // bfloat16 greedy tokens of the bundled model at near ties, measured.)
 #if defined(__AVX512F__)
 // softmax_row's arithmetic on a range with no masked key, sixteen lanes a step and the last n % 16 keys as one
 // masked step (the sum adds its two eight-lane halves as two runs of eight, the lanes past n as zeros, which change
-// no sum), where the scalar tails and the eight-lane step cost a fifth of the function on 12-row causal blocks.
+// no sum), where the general path ends each pass with scalar and eight-lane tails.
 inline void softmax_dense16(float* p, int64_t n, float scale) {
   const int64_t whole = n - n % 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1u);

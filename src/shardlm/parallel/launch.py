@@ -102,6 +102,10 @@ def _entry(fn: Callable, rank: int, world: int, port: int, listener, threads: in
         if backend == "nccl":
             torch.cuda.set_device(rank_device("cuda", rank, torch.cuda.device_count()))
         join_group(rank, world, port, listener, 120, backend)
+        # every rank's mesh is whole before any rank can finish and close its sockets: rank 0 once returned from
+        # init, ran a quick fn and exited while rank 1's gloo connectFullMesh was still running ("Connection closed
+        # by peer", seen once in a suite run)
+        dist.barrier()
         out = fn(rank, world, *args)
         # plain pickle copies tensor data; the queue's own pickler would pass shared-memory handles
         # that vanish when this process exits
