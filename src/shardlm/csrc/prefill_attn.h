@@ -275,14 +275,7 @@ struct FloatKV {
   // Room for n floats, every one overwritten by the caller: the thread's kept buffer, grown, up to KEPT_FLOATS;
   // past it, `own` (freed with the call, so a long prompt's buffers are not held after it). Buffers of a 512-token
   // call allocated afresh each call made it run 0.80 or 1.0 of the time by process (fresh pages, faulted in).
-  static float* room(LineVec& kept, LineVec& own, int64_t n) {
-    if (n > KEPT_FLOATS) {
-      own.resize(static_cast<size_t>(n));
-      return own.data();
-    }
-    if (static_cast<int64_t>(kept.size()) < n) kept.resize(static_cast<size_t>(n));
-    return kept.data();
-  }
+  static float* room(LineVec& kept, LineVec& own, int64_t n) { return grown(n > KEPT_FLOATS ? own : kept, n); }
   // Head g's panel holding key c (c a multiple of KW).
   const float* panel(int64_t g, int64_t c) const { return keys + (g * panels + c / KW) * hd * KW; }
 };
