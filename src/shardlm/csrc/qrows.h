@@ -199,13 +199,19 @@ inline void quantize_rows(const float* x, int64_t b, int64_t k, int64_t kp, Quan
 constexpr int64_t PREFETCH_ROWS = 16;
 // An int8 tile of one activation row on a 512-bit build walks its weight rows one after another (row_sums) and asks
 // for the line STREAM_AHEAD bytes past the one it reads (stream_prefetch); so do the exact rows (qexact.h) on every
-// vector build, EXACT_AHEAD (12 KB) past. Into L2 (prefetcht1), not L1: on a Zen 4 host the L1 hint (prefetcht0) 4 KB ahead had held such a
-// stream near 30 GB/s on two threads, no faster than no hint, where the L2 hint ran 1.15-1.45x faster over 138-276 MB
-// of int8 rows from memory (scratch C++, 2026-11-29), and a batch-1 int8 decode step took 0.81-0.91x the time
-// in-process (four A/B runs, RESULTS.md stop 55). The int4 tiles (q4tiles.h) keep their L1 hint: with the L2 one a
-// batch-1 step took 0.89-1.04x the time, no clear change. A hint never faults, so it may pass the weight's end.
+// vector build, EXACT_AHEAD (12 KB) past. Into L2 (prefetcht1) on AMD: on a Zen 4 host the L1 hint (prefetcht0) 4 KB
+// ahead had held such a stream near 30 GB/s on two threads, no faster than no hint, where the L2 hint ran 1.15-1.45x
+// faster over 138-276 MB of int8 rows from memory (scratch C++, 2026-11-29), and a batch-1 int8 decode step took
+// 0.81-0.91x the time in-process (four A/B runs, RESULTS.md stop 55). Into L1 on Intel builds (SHARDLM_L1_AHEAD, as
+// rows.h's float rows): on the Ice Lake host a batch-1 int8 step took 0.95-0.96x the L2 hint's time (in-process A/B,
+// stop 67). The int4 tiles (q4tiles.h) keep their L1 hint: with the L2 one a batch-1 step took 0.89-1.04x the time,
+// no clear change. A hint never faults, so it may pass the weight's end.
 constexpr int64_t STREAM_AHEAD = 4096;
+#if defined(SHARDLM_L1_AHEAD)
+__attribute__((always_inline)) inline void stream_prefetch(const void* at) { __builtin_prefetch(at, 0, 3); }
+#else
 __attribute__((always_inline)) inline void stream_prefetch(const void* at) { __builtin_prefetch(at, 0, 2); }
+#endif
 
 // A block of 32 weight codes as two vectors of 16 int16 (columns 0-15 and 16-31).
 struct Codes16 {

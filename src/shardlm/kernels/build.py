@@ -52,6 +52,16 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """This CPU's vendor_id (/proc/cpuinfo: "GenuineIntel", "AuthenticAMD"), read once; "" where it is missing."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
 def bf16_units() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (avx512_bf16 or AMX), where oneDNN's bfloat16 matmul is
     fast; without them it is several times slower than float32 (46 ms against 7 ms for 512 x 576 @ 576 x 1536 on
@@ -67,14 +77,22 @@ def units_of(ext) -> str:
     return f"int8 on {ext.int8_units()}, bfloat16 {bf16}"
 
 
+def compile_flags(arch: str = "native") -> list[str]:
+    """The compiler flags of a build for `arch` on this CPU."""
+    # no implicit contraction: every copy of a loop rounds alike (rows.h asks for FMA explicitly); 512-bit vectors
+    # where the CPU has them (GCC's tuning for AMD and Intel cores prefers 256-bit ones in loops it vectorizes)
+    flags = ["-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=off", "-mprefer-vector-width=512"]
+    if arch == "native" and cpu_vendor() == "GenuineIntel":
+        flags.append("-DSHARDLM_L1_AHEAD")  # batch-1 weight streams ask for their line 4 KB on into L1 (csrc/rows.h)
+    return flags
+
+
 def extension(kernel_dir: Path, arch: str = "native"):
     """The compiled decode kernels, building them into `kernel_dir` on first use; None when they cannot
     be built here. `arch`: the -march target; "native" (this CPU) in use, older targets ("haswell": AVX2
     without AVX-512, "x86-64": no vector extensions past SSE2) to test the fallbacks on this machine."""
     sources = sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
-    # no implicit contraction: every copy of a loop rounds alike (rows.h asks for FMA explicitly); 512-bit vectors
-    # where the CPU has them (GCC's tuning for AMD and Intel cores prefers 256-bit ones in loops it vectorizes)
-    flags = ["-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=off", "-mprefer-vector-width=512"]
+    flags = compile_flags(arch)
     # the folder and the flags are part of the key: the build command names the source path, so two checkouts
     # sharing one cache folder would otherwise rebuild each other's extension on every load
     digest = hashlib.sha1(str(CSRC).encode() + " ".join(flags).encode()
