@@ -93,15 +93,26 @@ inline void store_tile(const QPanel& panel, const float (&sums)[R][QPANEL], cons
     }
 }
 
-// int4's zacc of activation row j and lanes h of a panel: m * x_sum over the blocks in order, one float FMA chain a
-// lane (q4tiles.h's), run after the integer sums rather than beside them, so that a tile's int32 sums and float
-// accumulators alone hold the registers (with zacc beside them a 6-row tile needed 39 of AVX-512's 32).
-template <typename V>
-inline typename V::F zero_terms(const QuantRows& x, int64_t j, const QPanel& panel, int h) {
-  typename V::F zacc = V::fzero();
-  for (int64_t blk = 0; blk < x.blocks; ++blk)
-    zacc = V::fma(V::loadf(panel.m + blk * QPANEL + h * QVL), V::splatf(x.sums[j * x.blocks + blk]), zacc);
-  return zacc;
+// int4's zacc of the tile's R activation rows (from j0) and both lane halves of a panel, added to sums (each row's
+// acc, stored): m * x_sum over the blocks in order, one float FMA chain a lane (q4tiles.h's), run after the integer
+// sums rather than beside them, so that a tile's int32 sums and float accumulators alone hold the registers (with
+// zacc beside them a 6-row tile needed 39 of AVX-512's 32). The 2R chains go side by side, each its own order: one
+// chain at a time, each FMA waiting on the last, had made an int4 tile 1.4x slower than an int8 one (one thread,
+// hot panels, scratch C++, stop 67).
+template <typename V, int R>
+inline void add_zero_terms(const QuantRows& x, int64_t j0, const QPanel& panel, float (&sums)[R][QPANEL]) {
+  typename V::F zacc[R][2];
+  for (int r = 0; r < R; ++r) zacc[r][0] = zacc[r][1] = V::fzero();
+  for (int64_t blk = 0; blk < x.blocks; ++blk) {
+    const typename V::F m0 = V::loadf(panel.m + blk * QPANEL), m1 = V::loadf(panel.m + blk * QPANEL + QVL);
+    for (int r = 0; r < R; ++r) {
+      const typename V::F xs = V::splatf(x.sums[(j0 + r) * x.blocks + blk]);
+      zacc[r][0] = V::fma(m0, xs, zacc[r][0]);
+      zacc[r][1] = V::fma(m1, xs, zacc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) V::store(sums[r] + h * QVL, V::add(V::loadf(sums[r] + h * QVL), zacc[r][h]));
 }
 
 // The outputs of R activation rows (from j0) against one widened panel (weight rows c0 .. c0 + cols), output rows n
@@ -156,10 +167,10 @@ inline void qpanel_tile(const QuantRows& x, int64_t j0, const QPanel& panel, T* 
     if constexpr (Exact) {
       std::memcpy(totals[r], dacc[r], sizeof(totals[r]));
     } else {
-      for (int h = 0; h < 2; ++h) V::store(sums[r] + h * QVL, Q4 ? V::add(acc[r][h], zero_terms<V>(x, j0 + r, panel, h))
-                                                                  : acc[r][h]);
+      for (int h = 0; h < 2; ++h) V::store(sums[r] + h * QVL, acc[r][h]);
     }
   }
+  if constexpr (Q4 && !Exact) add_zero_terms<V, R>(x, j0, panel, sums);
 #else
   qpanel_tile_scalar<Exact, Q4, R>(x, j0, panel, sums, totals);
 #endif
