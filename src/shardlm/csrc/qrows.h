@@ -205,13 +205,7 @@ constexpr int64_t PREFETCH_ROWS = 16;
 // 0.81-0.91x the time in-process (four A/B runs, RESULTS.md stop 55). Into L1 on Intel builds (SHARDLM_L1_AHEAD, as
 // rows.h's float rows): on the Ice Lake host a batch-1 int8 step took 0.95-0.96x the L2 hint's time (in-process A/B,
 // stop 67). The int4 tiles (q4tiles.h) keep their L1 hint: with the L2 one a batch-1 step took 0.89-1.04x the time,
-// no clear change. A hint never faults, so it may pass the weight's end.
-constexpr int64_t STREAM_AHEAD = 4096;
-#if defined(SHARDLM_L1_AHEAD)
-__attribute__((always_inline)) inline void stream_prefetch(const void* at) { __builtin_prefetch(at, 0, 3); }
-#else
-__attribute__((always_inline)) inline void stream_prefetch(const void* at) { __builtin_prefetch(at, 0, 2); }
-#endif
+// no clear change. A hint never faults, so it may pass the weight's end. (STREAM_AHEAD and stream_prefetch: rows.h.)
 
 // A block of 32 weight codes as two vectors of 16 int16 (columns 0-15 and 16-31).
 struct Codes16 {

@@ -148,17 +148,22 @@ __attribute__((always_inline)) inline void lane_sums8(const v8f* a, int n, float
 // rows at batch 8 waiting on memory: +10-15 % and +40 % tokens/s with the hint, measured A/B on an AVX-512 host
 // (float32 batch 1 unchanged). It changes no arithmetic. At batch 1 the rows go one at a time (`rows`), each
 // streaming on from the last, where a hint to the next row only competed with it; there a tile of one row and one x
-// row asks, on Intel builds only (SHARDLM_L1_AHEAD, set by kernels/build.py), for the line L1_AHEAD bytes on in its
-// own stream, into L1, once per line. Ice Lake, the bundled model's float32 weights on huge pages, two threads: a
+// row asks, on Intel builds only (SHARDLM_L1_AHEAD, set by kernels/build.py), for the line STREAM_AHEAD bytes on in
+// its own stream, into L1, once per line. Ice Lake, the bundled model's float32 weights on huge pages, two threads: a
 // row-by-row pass 22.3 ms without, 20.3 with it, 21.7 into L2 (scratch C++); a decode step 0.90x the time (in-process
 // A/B, RESULTS.md stop 67). On a Zen 4 host the same hint into L2 had made a step 1.06x slower (2026-11-29), and into
 // L1 an int8 stream was no faster (qrows.h): AMD builds ask for nothing.
+// stream_prefetch is the one hint of every such stream (these rows; qrows.h's int8 rows, STREAM_AHEAD or a multiple
+// on): into L1 (prefetcht0) on Intel builds, into L2 (prefetcht1) elsewhere.
 #if defined(SHARDLM_L1_AHEAD)
 constexpr bool L1_STREAM = true;
 #else
 constexpr bool L1_STREAM = false;
 #endif
-constexpr int64_t L1_AHEAD = 4096;
+constexpr int64_t STREAM_AHEAD = 4096;
+__attribute__((always_inline)) inline void stream_prefetch(const void* at) {
+  __builtin_prefetch(at, 0, L1_STREAM ? 3 : 2);
+}
 
 template <typename W, int R, int J>
 inline void tile(const W* w, int64_t ldw, const float* x, float* y, int64_t n, int64_t k, int64_t r0, int64_t j0) {
@@ -171,8 +176,7 @@ inline void tile(const W* w, int64_t ldw, const float* x, float* y, int64_t n, i
     if (J > 1 && j0 == 0) prefetch_next_tile<W, R>(w, ldw, r0, i);
     if constexpr (L1_STREAM && R == 1 && J == 1)
       if ((i & (line - 1)) == 0)  // an address, not a pointer: the hint may pass the weight's end and never faults
-        __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w + r0 * ldw + i) + L1_AHEAD),
-                           0, 3);
+        stream_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w + r0 * ldw + i) + STREAM_AHEAD));
     v8f xv[J];
     for (int j = 0; j < J; ++j) xv[j] = load8<float>(x + (j0 + j) * k + i);
     for (int r = 0; r < R; ++r) {
