@@ -158,6 +158,8 @@ def bundled_copy(bundled_dir: Path, folder: Path, chat_template: str | None = No
 
 _BUILD_ROOT: list[Path] = []
 """The folder of the background kernel builds started at collection, removed when the session ends."""
+_BUILD_MODULES: list = []
+"""The test modules whose builds started (test_kernel_builds), waited for before the folder goes."""
 
 
 def pytest_collection_finish(session):
@@ -165,12 +167,18 @@ def pytest_collection_finish(session):
     background at the lowest CPU priority: they overlap the tests that run before them."""
     if session.config.option.collectonly:
         return
-    for module in {item.module for item in session.items if item.module.__name__.endswith("test_kernel_builds")}:
+    # only for the tests that take an older build (`arch`): a run of the module's other tests builds nothing
+    for module in {item.module for item in session.items if item.module.__name__.endswith("test_kernel_builds")
+                   and "arch" in getattr(item, "fixturenames", ())}:
         _BUILD_ROOT.append(Path(tempfile.mkdtemp(prefix="shardlm-builds-")))
+        _BUILD_MODULES.append(module)
         module.start_builds(_BUILD_ROOT[-1])
 
 
 def pytest_sessionfinish(session):
-    """Remove the background kernel builds' folder."""
+    """Remove the background kernel builds' folder, once the builds still running (a run stopped early) ended: a
+    compiler writing into it after the removal had left the folder behind."""
+    for module in _BUILD_MODULES:
+        module.wait_builds(timeout_s=600)
     for root in _BUILD_ROOT:
         shutil.rmtree(root, ignore_errors=True)

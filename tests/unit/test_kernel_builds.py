@@ -10,6 +10,7 @@ build; interleaved int8 codes' exact sums equal the native build's natural ones 
 from __future__ import annotations
 
 import os
+import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,6 +56,11 @@ def start_builds(root: Path) -> None:
         if wants <= build.cpu_flags() and _wanted(name):
             _BUILDS[name] = pool.submit(build.extension, root / name, arch=name)
     pool.shutdown(wait=False)
+
+
+def wait_builds(timeout_s: float) -> None:
+    """Wait up to `timeout_s` for the started builds to end (done, failed or not), so their folder can go."""
+    concurrent.futures.wait(list(_BUILDS.values()), timeout=timeout_s)
 
 
 def _older_build(arch: str, tmp_path_factory):
